@@ -1,0 +1,1 @@
+"""The bounded streaming operators, one module each."""

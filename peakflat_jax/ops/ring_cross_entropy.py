@@ -1,0 +1,395 @@
+"""Ring-DTP: vocab-parallel cross-entropy on a ppermute ring with an online log-sum-exp.
+
+P ranks form a ring over ``axis_name``. Rank r holds its *own* tokens ``hidden_r [N, H]`` with
+targets ``t_r [N]`` and the vocab shard ``kernel_r [H, Vs]`` (global columns r*Vs ... (r+1)*Vs-1).
+Over P steps every local batch meets every vocab shard. Each meeting forms strips
+``Y = X W[:, block]`` of at most B columns, folds each strip into three fp32 numbers per token
+(running max m, rescaled sum z, target logit y_t) and drops it:
+
+    m' = max(m, max_v y_v)      z' = exp(m - m') z + sum_v exp(y_v - m')
+
+and the loss is ``m + log z - y_t``. The N x V logits never exist.
+
+Two schedules move different operands around the ring (one hop = a ppermute to rank r-1):
+
+* ``move_weights``: the kernel shard rotates (H*Vs elements a hop, independent of N); the
+  statistics stay home. In backward the shard's fp32 weight gradient travels with it and takes one
+  last hop home to its owner.
+* ``move_activations``: tokens and targets rotate (N*H a hop, independent of V); the statistics
+  travel with them and take one last hop home. In backward the fp32 hidden gradient travels.
+
+``mode="auto"`` moves weights when N > Vs (the smaller hop). Every hop for step s+1 is issued
+before step s's matmuls, and a travelling accumulator's hop is independent of the step's matmuls,
+so XLA may overlap both with compute.
+
+The backward pass is a custom VJP that keeps only the per-token log-sum-exp (plus the inputs)
+and replays the ring strip by strip: ``dY = (softmax(Y) - onehot(t)) * g``, ``dX += dY W^T``,
+``dW += X^T dY``. This recomputes the strip matmul once: 4 N*H*V matmul-units instead of the
+materialized loss's 3, the price of never storing the logits.
+
+Memory bound (per device, besides inputs and outputs, b = bytes of the compute dtype):
+
+    strips:   c_s * N * B * 4          (c_s <= 3 live [N, B] fp32/b buffers: logits, dY, its cast)
+    hops:     2 * H * Vs * (b + 4)     (move_weights: incoming shard + travelling fp32 dW)
+              2 * N * (H * (b + 4) + 16)   (move_activations: incoming tokens + travelling fp32 dX)
+    local:    N * H * 4 or H * Vs * 4  (the fp32 accumulator that stays home)
+
+with B = min(vocab_block, Vs) (default Vs). Nothing scales with N * V / B; ``tests/`` prove that no
+array of 2 * N * Vs elements exists in the compiled forward+backward program, and
+``scripts/bench_ring_dtp.py`` measures the peak on H200s.
+
+Legend: N tokens on this rank, H hidden, P ring size, Vs vocab columns per shard (P * Vs >= V,
+the true vocab), B columns per strip (``vocab_block``), g the loss cotangent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+MODES = ("auto", "move_weights", "move_activations")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """Static description of one call: hashable, so it can be a nondiff argument."""
+
+    axis_name: Any
+    ring_size: int
+    vocab_size: int
+    shard_width: int
+    block_width: int
+    move_weights: bool
+    ignore_index: int
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.shard_width // self.block_width)
+
+    def hop(self, tree):
+        """Sends every leaf one step around the ring: rank r -> rank r - 1."""
+        perm = [(i, (i - 1) % self.ring_size) for i in range(self.ring_size)]
+        return jax.tree.map(lambda a: lax.ppermute(a, self.axis_name, perm), tree)
+
+
+def ring_cross_entropy(
+    hidden: jax.Array,
+    kernel: jax.Array,
+    targets: jax.Array,
+    *,
+    axis_name: Any,
+    vocab_size: int | None = None,
+    mode: str = "auto",
+    ignore_index: int = -100,
+    vocab_block: int | None = None,
+) -> jax.Array:
+    """Per-token cross-entropy of ``hidden @ full_kernel`` without forming the N x V logits.
+
+    Call inside ``jax.shard_map``; ``axis_name`` is the ring (the vocab-parallel axis).
+
+    Args:
+      hidden: ``[N, H]`` this rank's own tokens, bf16 or f32 (the softmax math is f32).
+      kernel: ``[H, Vs]`` this rank's vocab shard; ring position r holds global columns
+        ``r*Vs ... (r+1)*Vs - 1``.
+      targets: ``[N]`` integer global ids in ``[0, vocab_size)``, or ``ignore_index``.
+      axis_name: the mesh axis that forms the ring.
+      vocab_size: the true V when the kernel is padded (P * Vs > V); padded columns never enter
+        the softmax. Default P * Vs.
+      mode: ``"auto"`` (move weights when N > Vs), ``"move_weights"`` or ``"move_activations"``.
+      ignore_index: targets equal to it get loss 0 and no gradient.
+      vocab_block: at most this many vocab columns per strip (default: the whole shard). With
+        P = 1 this is a single-device chunked cross-entropy whose strip is ``[N, vocab_block]``.
+
+    Returns:
+      ``[N]`` float32 loss; 0 where ignored, NaN where a target is outside ``[0, vocab_size)``
+      (never a finite wrong number). Differentiable w.r.t. ``hidden`` and ``kernel``.
+    """
+    ring = _describe_call(hidden, kernel, targets, axis_name, vocab_size, mode, ignore_index,
+                          vocab_block)
+    hidden, kernel, targets = _vary_alike(hidden, kernel, targets)
+    return _ring_cross_entropy(ring, hidden, kernel, targets)
+
+
+def _describe_call(hidden, kernel, targets, axis_name, vocab_size, mode, ignore_index,
+                   vocab_block) -> _Ring:
+    """Checks the arguments at trace time and fixes the static plan of the ring."""
+    if hidden.ndim != 2 or not jnp.issubdtype(hidden.dtype, jnp.floating):
+        raise ValueError(f"hidden: expected a floating [N, H] array, got {hidden.dtype}"
+                         f"{list(hidden.shape)}")
+    if kernel.ndim != 2 or not jnp.issubdtype(kernel.dtype, jnp.floating):
+        raise ValueError(f"kernel: expected a floating [H, Vs] array, got {kernel.dtype}"
+                         f"{list(kernel.shape)}")
+    if kernel.shape[0] != hidden.shape[1]:
+        raise ValueError(f"kernel: expected [H={hidden.shape[1]}, Vs] to match hidden "
+                         f"{list(hidden.shape)}, got {list(kernel.shape)}")
+    if targets.ndim != 1 or not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise ValueError(f"targets: expected an integer [N] array, got {targets.dtype}"
+                         f"{list(targets.shape)}")
+    if targets.shape[0] != hidden.shape[0]:
+        raise ValueError(f"targets: expected [N={hidden.shape[0]}] to match hidden, got "
+                         f"{list(targets.shape)}")
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    ring_size = lax.axis_size(axis_name)
+    num_tokens, shard_width = hidden.shape[0], kernel.shape[1]
+    padded_vocab = ring_size * shard_width
+    if vocab_size is None:
+        vocab_size = padded_vocab
+    if not isinstance(vocab_size, int) or not 1 <= vocab_size <= padded_vocab:
+        raise ValueError(f"vocab_size: expected an int in [1, P*Vs = {ring_size}*{shard_width} "
+                         f"= {padded_vocab}], got {vocab_size!r}")
+    if vocab_block is not None and (not isinstance(vocab_block, int) or vocab_block < 1):
+        raise ValueError(f"vocab_block: expected None or a positive int, got {vocab_block!r}")
+    if not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index: expected an int, got {ignore_index!r}")
+    block_width = shard_width if vocab_block is None else min(vocab_block, shard_width)
+    move_weights = mode == "move_weights" or (mode == "auto" and num_tokens > shard_width)
+    return _Ring(axis_name, ring_size, vocab_size, shard_width, block_width, move_weights,
+                 ignore_index)
+
+
+def _vary_alike(*arrays):
+    """Makes all operands vary over the same mesh axes (the union of theirs).
+
+    Inside a custom VJP the cotangent of, say, a kernel replicated over a data axis must not vary
+    over that axis; casting before the custom VJP lets autodiff insert the psum it needs.
+    """
+    def varying(a):
+        return getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", frozenset())
+
+    union = frozenset().union(*map(varying, arrays))
+    return tuple(
+        lax.pcast(a, tuple(sorted(union - varying(a))), to="varying") if union - varying(a) else a
+        for a in arrays
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The ring driver, shared by forward and backward of both schedules.
+
+
+def _drive_ring(ring: _Ring, step: Callable, rotating, local, travelling):
+    """Runs ``step(s, rotating, local, travelling) -> (local, travelling)`` for s = 0 .. P-1.
+
+    ``rotating`` (read-only operands) moves one hop before every step after the first; its hop
+    for step s+1 is issued at the start of step s. ``travelling`` (an accumulator that rides with
+    the rotating operands) arrives by a hop issued at the start of the step that updates it, and
+    takes a last hop home after step P-1. ``local`` stays on this rank. The first and last steps
+    are peeled so that no hop is wasted; the middle ones are a ``lax.scan`` so that only one
+    step's strips are live at a time.
+    """
+    if ring.ring_size == 1:
+        return step(0, rotating, local, travelling)
+    incoming = ring.hop(rotating)
+    local, travelling = step(0, rotating, local, travelling)
+
+    def middle_step(carry, s):
+        rotating, local, travelling = carry
+        incoming = ring.hop(rotating)
+        local, travelling = step(s, rotating, local, ring.hop(travelling))
+        return (incoming, local, travelling), None
+
+    (rotating, local, travelling), _ = lax.scan(
+        middle_step, (incoming, local, travelling), jnp.arange(1, ring.ring_size - 1))
+    local, travelling = step(ring.ring_size - 1, rotating, local, ring.hop(travelling))
+    return local, ring.hop(travelling)
+
+
+def _shard_at_step(ring: _Ring, s):
+    """The vocab shard that rank r holds at step s of move_weights: it came s hops downstream."""
+    return (lax.axis_index(ring.axis_name) + s) % ring.ring_size
+
+
+# ----------------------------------------------------------------------------------------------
+# One meeting of a token batch with a vocab shard, strip by strip.
+
+
+def _strip_logits(ring: _Ring, hidden, kernel, shard, block):
+    """fp32 logits of one strip [N, B], padding and already-seen columns at -inf.
+
+    Returns (logits, first local column of the strip, mask of columns that count). The last block
+    of a shard whose width is not a multiple of B starts early (so no copy of the kernel is
+    padded); the columns it shares with the previous block are masked out.
+    """
+    start = jnp.minimum(block * ring.block_width, ring.shard_width - ring.block_width)
+    kernel_block = lax.dynamic_slice_in_dim(kernel, start, ring.block_width, axis=1)
+    logits = jnp.dot(hidden, kernel_block, preferred_element_type=jnp.float32)
+    column = start + lax.broadcasted_iota(jnp.int32, (1, ring.block_width), 1)
+    counts = (column >= block * ring.block_width) & (shard * ring.shard_width + column
+                                                     < ring.vocab_size)
+    return jnp.where(counts, logits, -jnp.inf), start, counts
+
+
+def _target_column(ring: _Ring, targets, shard, start, counts):
+    """Local strip column of each token's target, and whether the target lies in this strip."""
+    local = targets - shard * ring.shard_width - start
+    in_strip = (local >= 0) & (local < ring.block_width)
+    local = jnp.clip(local, 0, ring.block_width - 1)
+    in_strip &= jnp.take_along_axis(counts[0], local, axis=0)
+    return local, in_strip
+
+
+def _fold_blocks(ring: _Ring, per_block: Callable, init):
+    """Folds ``per_block(block, acc) -> acc`` over the shard's strips, one strip live at a time."""
+    if ring.num_blocks == 1:
+        return per_block(0, init)
+    return lax.fori_loop(0, ring.num_blocks, per_block, init)
+
+
+def _shard_statistics(ring: _Ring, hidden, kernel, targets, shard):
+    """(max, sum of exp, target logit) of the tokens over one vocab shard: [N] fp32 each."""
+
+    def per_block(block, stats):
+        logits, start, counts = _strip_logits(ring, hidden, kernel, shard, block)
+        column, in_strip = _target_column(ring, targets, shard, start, counts)
+        target_logit = jnp.take_along_axis(logits, column[:, None], axis=1)[:, 0]
+        strip_max = jnp.max(logits, axis=1)
+        strip_sum = jnp.sum(jnp.exp(logits - _finite(strip_max)[:, None]), axis=1)
+        return _merge_statistics(stats, (strip_max, strip_sum,
+                                         jnp.where(in_strip, target_logit, 0.0)))
+
+    return _fold_blocks(ring, per_block, _empty_statistics(targets))
+
+
+def _shard_gradients(ring: _Ring, hidden, kernel, targets, shard, lse, scale):
+    """(dX [N, H], dW [H, Vs]) fp32 of one meeting, given the final log-sum-exp per token.
+
+    ``scale`` is the loss cotangent per token (0 where ignored, NaN where the target is invalid).
+    """
+    compute_dtype = hidden.dtype
+
+    def per_block(block, grads):
+        d_hidden, d_kernel = grads
+        logits, start, counts = _strip_logits(ring, hidden, kernel, shard, block)
+        column, in_strip = _target_column(ring, targets, shard, start, counts)
+        onehot = (lax.broadcasted_iota(jnp.int32, logits.shape, 1) == column[:, None]) & \
+            in_strip[:, None]
+        d_logits = ((jnp.exp(logits - lse[:, None]) - onehot) * scale[:, None]).astype(
+            compute_dtype)
+        kernel_block = lax.dynamic_slice_in_dim(kernel, start, ring.block_width, axis=1)
+        d_hidden += jnp.dot(d_logits, kernel_block.T, preferred_element_type=jnp.float32)
+        d_block = jnp.dot(hidden.T, d_logits, preferred_element_type=jnp.float32)
+        if ring.num_blocks == 1:
+            return d_hidden, d_kernel + d_block
+        # The overlap with the previous block is masked to zero in d_logits, so adding is exact.
+        d_kernel = lax.dynamic_update_slice_in_dim(
+            d_kernel, lax.dynamic_slice_in_dim(d_kernel, start, ring.block_width, 1) + d_block,
+            start, axis=1)
+        return d_hidden, d_kernel
+
+    init = (jnp.zeros_like(hidden, jnp.float32), jnp.zeros_like(kernel, jnp.float32))
+    return _fold_blocks(ring, per_block, init)
+
+
+def _empty_statistics(targets):
+    negative_infinity = jnp.full_like(targets, -jnp.inf, jnp.float32)
+    zero = jnp.zeros_like(targets, jnp.float32)
+    return negative_infinity, zero, zero
+
+
+def _finite(m):
+    """A shift for exp(): the running max, or 0 while a row has seen only masked columns."""
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+def _merge_statistics(a, b):
+    """Associative merge of two partial (max, sum, target logit) triples."""
+    m = jnp.maximum(a[0], b[0])
+    shift = _finite(m)
+    z = a[1] * jnp.exp(a[0] - shift) + b[1] * jnp.exp(b[0] - shift)
+    return m, z, a[2] + b[2]
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward and backward rings.
+
+
+def _compute_operands(hidden, kernel):
+    dtype = jnp.result_type(hidden.dtype, kernel.dtype)
+    return hidden.astype(dtype), kernel.astype(dtype)
+
+
+def _forward_lse(ring: _Ring, hidden, kernel, targets):
+    """Per-token (log-sum-exp, target logit) over the whole vocab, each [N] fp32."""
+    hidden, kernel = _compute_operands(hidden, kernel)
+    if ring.move_weights:
+        def step(s, kernel_shard, stats, _):
+            shard = _shard_at_step(ring, s)
+            return _merge_statistics(stats, _shard_statistics(
+                ring, hidden, kernel_shard, targets, shard)), None
+
+        stats, _ = _drive_ring(ring, step, kernel, _empty_statistics(targets), None)
+    else:
+        own_shard = lax.axis_index(ring.axis_name)
+
+        def step(s, tokens, _, stats):
+            visiting_hidden, visiting_targets = tokens
+            return None, _merge_statistics(stats, _shard_statistics(
+                ring, visiting_hidden, kernel, visiting_targets, own_shard))
+
+        _, stats = _drive_ring(ring, step, (hidden, targets), None, _empty_statistics(targets))
+    m, z, target_logit = stats
+    return m + jnp.log(z), target_logit
+
+
+def _backward_grads(ring: _Ring, hidden, kernel, targets, lse, scale):
+    """(dX, dW) in the dtypes of hidden and kernel, replaying the forward ring."""
+    hidden_dtype, kernel_dtype = hidden.dtype, kernel.dtype
+    hidden, kernel = _compute_operands(hidden, kernel)
+    if ring.move_weights:
+        def step(s, kernel_shard, d_hidden, d_kernel):
+            shard = _shard_at_step(ring, s)
+            dx, dw = _shard_gradients(ring, hidden, kernel_shard, targets, shard, lse, scale)
+            return d_hidden + dx, d_kernel + dw
+
+        d_hidden, d_kernel = _drive_ring(ring, step, kernel, jnp.zeros_like(hidden, jnp.float32),
+                                         jnp.zeros_like(kernel, jnp.float32))
+    else:
+        own_shard = lax.axis_index(ring.axis_name)
+
+        def step(s, tokens, d_kernel, d_hidden):
+            visiting_hidden, visiting_targets, visiting_lse, visiting_scale = tokens
+            dx, dw = _shard_gradients(ring, visiting_hidden, kernel, visiting_targets, own_shard,
+                                      visiting_lse, visiting_scale)
+            return d_kernel + dw, d_hidden + dx
+
+        d_kernel, d_hidden = _drive_ring(ring, step, (hidden, targets, lse, scale),
+                                         jnp.zeros_like(kernel, jnp.float32),
+                                         jnp.zeros_like(hidden, jnp.float32))
+    return d_hidden.astype(hidden_dtype), d_kernel.astype(kernel_dtype)
+
+
+def _token_validity(ring: _Ring, targets):
+    ignored = targets == ring.ignore_index
+    in_vocab = (targets >= 0) & (targets < ring.vocab_size)
+    return ignored, in_vocab
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_cross_entropy(ring: _Ring, hidden, kernel, targets):
+    return _ring_cross_entropy_fwd(ring, hidden, kernel, targets)[0]
+
+
+def _ring_cross_entropy_fwd(ring: _Ring, hidden, kernel, targets):
+    lse, target_logit = _forward_lse(ring, hidden, kernel, targets)
+    ignored, in_vocab = _token_validity(ring, targets)
+    loss = jnp.where(ignored, 0.0, jnp.where(in_vocab, lse - target_logit, jnp.nan))
+    return loss, (hidden, kernel, targets, lse)
+
+
+def _ring_cross_entropy_bwd(ring: _Ring, residuals, d_loss):
+    hidden, kernel, targets, lse = residuals
+    ignored, in_vocab = _token_validity(ring, targets)
+    # An invalid target poisons its gradient as it poisons its loss.
+    scale = jnp.where(ignored, 0.0, jnp.where(in_vocab, d_loss.astype(jnp.float32), jnp.nan))
+    d_hidden, d_kernel = _backward_grads(ring, hidden, kernel, targets, lse, scale)
+    return d_hidden, d_kernel, None
+
+
+_ring_cross_entropy.defvjp(_ring_cross_entropy_fwd, _ring_cross_entropy_bwd)

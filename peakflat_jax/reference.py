@@ -1,0 +1,44 @@
+"""Plain, obviously-correct implementations: the test oracles and the benchmarks' baselines.
+
+Each function materializes everything and is written for clarity, not memory. Tests call them on
+float64 inputs inside ``jax.enable_x64(True)`` and differentiate them with ``jax.grad``; the
+benchmarks run the same functions in the operators' dtype as "the standard implementation".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def cross_entropy(hidden: jax.Array, full_kernel: jax.Array, targets: jax.Array, *,
+                  vocab_size: int | None = None, ignore_index: int = -100) -> jax.Array:
+    """Per-token ``-log_softmax(hidden @ full_kernel)[target]`` over the first vocab_size columns.
+
+    hidden [N, H], full_kernel [H, V'] (V' >= vocab_size; extra columns are padding), targets [N].
+    Returns [N] in the promoted float dtype (at least float32); 0 where the target is ignored.
+    """
+    vocab_size = full_kernel.shape[1] if vocab_size is None else vocab_size
+    dtype = jnp.promote_types(jnp.result_type(hidden, full_kernel), jnp.float32)
+    logits = jnp.dot(hidden, full_kernel[:, :vocab_size], preferred_element_type=dtype)
+    log_probs = jax.nn.log_softmax(logits.astype(dtype), axis=-1)
+    ignored = targets == ignore_index
+    safe_targets = jnp.where(ignored, 0, targets)
+    picked = jnp.take_along_axis(log_probs, safe_targets[:, None], axis=-1)[:, 0]
+    return jnp.where(ignored, 0.0, -picked)
+
+
+def materialized_cross_entropy(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, *,
+                               axis_name: Any, vocab_size: int | None = None,
+                               ignore_index: int = -100) -> jax.Array:
+    """The standard vocab-parallel loss (a per-shard function for shard_map): all-gathers the
+    kernel shards [H, Vs] into [H, P*Vs] and materializes the N x V logits and log-softmax.
+
+    Same contract as ``pf.ring_cross_entropy``; this is what it is measured against.
+    """
+    full_kernel = lax.all_gather(kernel, axis_name, axis=1, tiled=True)
+    return cross_entropy(hidden, full_kernel, targets, vocab_size=vocab_size,
+                         ignore_index=ignore_index)

@@ -1,0 +1,4 @@
+#!/usr/bin/env bash
+# The test command: sets up .venv (Python 3.12) and runs the suite on 8 simulated CPU devices.
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+exec python -m pytest -q "$@" tests
