@@ -1,0 +1,226 @@
+"""Ring-DTP: values and gradients against the float64 reference, memory, and bad input."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from jax.sharding import PartitionSpec as P
+
+import peakflat_jax as pf
+from peakflat_jax import memory, reference
+
+LOSS_TOL = 1e-5  # fp32, simple: one log-sum-exp per token
+GRAD_TOL = 1e-4  # fp32, complex: a replayed ring of matmuls
+BF16_TOL = 2.0**-8  # a bf16 result: round-to-nearest alone costs up to 2^-9 relative
+
+
+def grad_tolerance(dtype, fp32_tol=GRAD_TOL) -> float:
+    return fp32_tol if dtype == jnp.float32 else BF16_TOL
+
+
+def relative_error(actual, expected) -> float:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+
+
+def ring_loss_fn(mesh, axes=("vocab",), token_axes=None, **kwargs):
+    """The global per-token loss: tokens sharded over all axes, the kernel over the last one."""
+    token_axes = axes if token_axes is None else token_axes
+    return jax.shard_map(
+        lambda x, w, t: pf.ring_cross_entropy(x, w, t, axis_name=axes[-1], **kwargs),
+        mesh=mesh, in_specs=(P(token_axes), P(None, axes[-1]), P(token_axes)),
+        out_specs=P(token_axes))
+
+
+def draw_case(rng, *, tokens, hidden, padded_vocab, vocab_size, ignored=0.1,
+              hidden_dtype=np.float32, kernel_dtype=np.float32):
+    x = rng.standard_normal((tokens, hidden)).astype(hidden_dtype)
+    w = (rng.standard_normal((hidden, padded_vocab)) / np.sqrt(hidden)).astype(kernel_dtype)
+    t = rng.integers(0, vocab_size, tokens).astype(np.int32)
+    t[rng.random(tokens) < ignored] = -100
+    cotangent = rng.standard_normal(tokens).astype(np.float32)
+    return jnp.asarray(x), jnp.asarray(w), jnp.asarray(t), jnp.asarray(cotangent)
+
+
+def reference_value_and_grads(x, w, t, cotangent, vocab_size):
+    with jax.enable_x64(True):
+        x64, w64 = (jnp.asarray(np.asarray(a, np.float64)) for a in (x, w))
+
+        def weighted(x, w):
+            return jnp.vdot(reference.cross_entropy(x, w, t, vocab_size=vocab_size),
+                            jnp.asarray(cotangent, jnp.float64))
+
+        loss = reference.cross_entropy(x64, w64, t, vocab_size=vocab_size)
+        grads = jax.grad(weighted, argnums=(0, 1))(x64, w64)
+        return np.asarray(loss), [np.asarray(g) for g in grads]
+
+
+def ring_value_and_grads(loss_fn, x, w, t, cotangent):
+    loss = jax.jit(loss_fn)(x, w, t)
+    grads = jax.jit(jax.grad(lambda x, w: jnp.vdot(loss_fn(x, w, t), cotangent),
+                             argnums=(0, 1)))(x, w)
+    return loss, grads
+
+
+def assert_matches_reference(loss_fn, x, w, t, cotangent, vocab_size, *, loss_tol=LOSS_TOL,
+                             grad_tol=GRAD_TOL):
+    loss, (dx, dw) = ring_value_and_grads(loss_fn, x, w, t, cotangent)
+    ref_loss, (ref_dx, ref_dw) = reference_value_and_grads(x, w, t, cotangent, vocab_size)
+    assert loss.dtype == jnp.float32 and dx.dtype == x.dtype and dw.dtype == w.dtype
+    assert np.all(np.asarray(loss)[np.asarray(t) == -100] == 0.0)
+    assert relative_error(loss, ref_loss) < loss_tol
+    assert relative_error(dx, ref_dx) < grad_tolerance(dx.dtype, grad_tol)
+    assert relative_error(dw, ref_dw) < grad_tolerance(dw.dtype, grad_tol)
+
+
+@pytest.mark.parametrize("ring_size", [1, 2, 8])
+@pytest.mark.parametrize("mode", ["auto", "move_weights", "move_activations"])
+@pytest.mark.parametrize("vocab_block", [None, 5])
+def test_matches_reference(rng, ring_size, mode, vocab_block):
+    tokens_per_rank, shard_width = 24, 16
+    padded_vocab = ring_size * shard_width
+    vocab_size = padded_vocab - 3  # the last shard ends in padding
+    mesh = make_mesh(("vocab", ring_size))
+    x, w, t, cotangent = draw_case(rng, tokens=ring_size * tokens_per_rank, hidden=32,
+                                   padded_vocab=padded_vocab, vocab_size=vocab_size)
+    loss_fn = ring_loss_fn(mesh, vocab_size=vocab_size, mode=mode, vocab_block=vocab_block)
+    assert_matches_reference(loss_fn, x, w, t, cotangent, vocab_size)
+
+
+def test_shard_wholly_padding_and_block_wider_than_shard(rng):
+    # P*Vs - V > Vs: the last rank's shard is all padding; vocab_block > Vs means the whole shard.
+    mesh = make_mesh(("vocab", 8))
+    vocab_size = 6 * 8 + 1
+    x, w, t, cotangent = draw_case(rng, tokens=64, hidden=16, padded_vocab=64,
+                                   vocab_size=vocab_size)
+    for mode in ("move_weights", "move_activations"):
+        loss_fn = ring_loss_fn(mesh, vocab_size=vocab_size, mode=mode, vocab_block=100)
+        assert_matches_reference(loss_fn, x, w, t, cotangent, vocab_size)
+
+
+@pytest.mark.parametrize("kernel_dtype", [np.float32, jnp.bfloat16])
+def test_bf16_hidden(rng, kernel_dtype):
+    mesh = make_mesh(("vocab", 4))
+    x, w, t, cotangent = draw_case(rng, tokens=64, hidden=32, padded_vocab=64, vocab_size=64,
+                                   hidden_dtype=jnp.bfloat16, kernel_dtype=kernel_dtype)
+    # bf16 x bf16 products are exact in fp32 and the softmax math is fp32, so the loss keeps the
+    # fp32 tolerance; a bf16 gradient is held to its own rounding (the bf16 x bf16 backward also
+    # rounds the softmax cotangent to bf16 for the matmuls, as the standard bf16 loss does).
+    assert_matches_reference(ring_loss_fn(mesh), x, w, t, cotangent, 64)
+
+
+def test_kernel_replicated_over_a_data_axis(rng):
+    # tokens over (data, vocab), the kernel over vocab only: its gradient sums over data.
+    mesh = make_mesh(("data", 2), ("vocab", 4))
+    x, w, t, cotangent = draw_case(rng, tokens=2 * 4 * 12, hidden=16, padded_vocab=40,
+                                   vocab_size=37)
+    for mode in ("move_weights", "move_activations"):
+        loss_fn = ring_loss_fn(mesh, axes=("data", "vocab"), vocab_size=37, mode=mode)
+        assert_matches_reference(loss_fn, x, w, t, cotangent, 37)
+
+
+def test_without_vma_checks(rng):
+    mesh = make_mesh(("vocab", 2))
+    x, w, t, cotangent = draw_case(rng, tokens=32, hidden=16, padded_vocab=32, vocab_size=32)
+    loss_fn = jax.shard_map(
+        lambda x, w, t: pf.ring_cross_entropy(x, w, t, axis_name="vocab"), mesh=mesh,
+        in_specs=(P("vocab"), P(None, "vocab"), P("vocab")), out_specs=P("vocab"),
+        check_vma=False)
+    assert_matches_reference(loss_fn, x, w, t, cotangent, 32)
+
+
+def test_target_outside_vocab_is_nan_never_a_finite_wrong_number(rng):
+    mesh = make_mesh(("vocab", 2))
+    x, w, t, cotangent = draw_case(rng, tokens=16, hidden=8, padded_vocab=32, vocab_size=30,
+                                   ignored=0.0)
+    t = t.at[3].set(30).at[7].set(-5)  # a padding column and a negative id
+    loss, (dx, dw) = ring_value_and_grads(ring_loss_fn(mesh, vocab_size=30), x, w, t, cotangent)
+    loss, dx = np.asarray(loss), np.asarray(dx)
+    assert np.isnan(loss[[3, 7]]).all() and np.isfinite(np.delete(loss, [3, 7])).all()
+    assert np.isnan(dx[[3, 7]]).all() and np.isnan(np.asarray(dw)).any()
+
+
+@pytest.mark.parametrize("tokens_per_rank, expect_hop_of", [(40, "kernel"), (8, "hidden")])
+def test_auto_moves_the_smaller_operand(rng, tokens_per_rank, expect_hop_of):
+    ring_size, hidden, shard_width = 4, 24, 16
+    mesh = make_mesh(("vocab", ring_size))
+    x, w, t, cotangent = draw_case(rng, tokens=ring_size * tokens_per_rank, hidden=hidden,
+                                   padded_vocab=ring_size * shard_width, vocab_size=64)
+    loss_fn = ring_loss_fn(mesh, mode="auto")
+    text = jax.jit(loss_fn).lower(x, w, t).compile().as_text()
+    hop_shapes = set(re.findall(r"(\w+\[[\d,]+\])[^\n=]*= *\S* *collective-permute", text))
+    hop_shapes |= set(re.findall(r"= (\w+\[[\d,]+\])\{?[\d,]*\}? collective-permute(?:-start)?\(",
+                                 text))
+    expected = {"kernel": f"f32[{hidden},{shard_width}]",
+                "hidden": f"f32[{tokens_per_rank},{hidden}]"}[expect_hop_of]
+    assert any(expected in shape for shape in hop_shapes), (expected, hop_shapes)
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+
+def compile_loss_and_grads(loss_fn, x, w, t):
+    def loss_and_grads(x, w, t):
+        return jax.value_and_grad(lambda x, w: loss_fn(x, w, t).sum(), argnums=(0, 1))(x, w)
+
+    return jax.jit(loss_and_grads).lower(x, w, t).compile()
+
+
+def abstract_case(ring_size, tokens_per_rank, hidden, vocab):
+    mesh = make_mesh(("vocab", ring_size))
+    x = jax.ShapeDtypeStruct((ring_size * tokens_per_rank, hidden), jnp.float32)
+    w = jax.ShapeDtypeStruct((hidden, vocab), jnp.float32)
+    t = jax.ShapeDtypeStruct((ring_size * tokens_per_rank,), jnp.int32)
+    return mesh, x, w, t
+
+
+@pytest.mark.parametrize("mode", ["move_weights", "move_activations"])
+def test_no_logits_sized_array_in_forward_or_backward(mode):
+    """At N = 2048 per rank, V = 131,072, P = 8: no array of 2 N V/P elements, and temp bytes at
+    most a quarter of the materialized loss's (fwd+bwd, per device)."""
+    ring_size, tokens, vocab = 8, 2048, 131_072
+    mesh, x, w, t = abstract_case(ring_size, tokens, 64, vocab)
+    ring = compile_loss_and_grads(ring_loss_fn(mesh, mode=mode), x, w, t)
+    baseline = compile_loss_and_grads(jax.shard_map(
+        lambda x, w, t: reference.materialized_cross_entropy(x, w, t, axis_name="vocab"),
+        mesh=mesh, in_specs=(P("vocab"), P(None, "vocab"), P("vocab")), out_specs=P("vocab")),
+        x, w, t)
+    memory.assert_no_array_at_least(ring, 2 * tokens * vocab // ring_size, what="logits strip")
+    with pytest.raises(AssertionError):  # the check can fail: the baseline holds N x V logits
+        memory.assert_no_array_at_least(baseline, 2 * tokens * vocab // ring_size)
+    assert memory.compiled_memory(ring).temp <= memory.compiled_memory(baseline).temp / 4
+
+
+def test_vocab_block_bounds_the_strip_on_one_device():
+    tokens, vocab, block = 1024, 32_768, 2048
+    mesh, x, w, t = abstract_case(1, tokens, 32, vocab)
+    chunked = compile_loss_and_grads(ring_loss_fn(mesh, vocab_block=block), x, w, t)
+    memory.assert_no_array_at_least(chunked, 2 * tokens * block, what="logits strip")
+    whole = compile_loss_and_grads(ring_loss_fn(mesh), x, w, t)
+    assert memory.compiled_memory(chunked).temp * 4 <= memory.compiled_memory(whole).temp
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("change, argument", [
+    (dict(x_shape=(16, 9)), "kernel"),
+    (dict(t_shape=(14,)), "targets"),
+    (dict(t_dtype=np.float32), "targets"),
+    (dict(x_dtype=np.int32), "hidden"),
+    (dict(kwargs=dict(vocab_size=33)), "vocab_size"),
+    (dict(kwargs=dict(vocab_size=0)), "vocab_size"),
+    (dict(kwargs=dict(mode="ring")), "mode"),
+    (dict(kwargs=dict(vocab_block=0)), "vocab_block"),
+])
+def test_bad_input_names_the_argument(change, argument):
+    mesh = make_mesh(("vocab", 2))
+    x = np.zeros(change.get("x_shape", (16, 8)), change.get("x_dtype", np.float32))
+    t = np.zeros(change.get("t_shape", (16,)), change.get("t_dtype", np.int32))
+    w = np.zeros((8, 32), np.float32)
+    loss_fn = ring_loss_fn(mesh, **change.get("kwargs", {}))
+    with pytest.raises(ValueError, match=argument):
+        jax.jit(loss_fn).lower(x, w, t)
