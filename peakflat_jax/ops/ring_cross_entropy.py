@@ -268,8 +268,8 @@ def _shard_gradients(ring: _Ring, hidden, kernel, targets, shard, lse, scale):
         d_hidden, d_kernel = grads
         logits, start, counts = _strip_logits(ring, hidden, kernel, shard, block)
         column, in_strip = _target_column(ring, targets, shard, start, counts)
-        onehot = (lax.broadcasted_iota(jnp.int32, logits.shape, 1) == column[:, None]) & \
-            in_strip[:, None]
+        strip_column = lax.broadcasted_iota(jnp.int32, (1, ring.block_width), 1)
+        onehot = (strip_column == column[:, None]) & in_strip[:, None]
         d_logits = ((jnp.exp(logits - lse[:, None]) - onehot) * scale[:, None]).astype(
             compute_dtype)
         kernel_block = lax.dynamic_slice_in_dim(kernel, start, ring.block_width, axis=1)

@@ -1,0 +1,1 @@
+"""Benchmarks of the operators against their standard implementations (``peakflat bench``)."""

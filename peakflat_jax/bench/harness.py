@@ -1,0 +1,104 @@
+"""What every benchmark shares: timing, one case per fresh process, and the results record.
+
+A benchmark module defines ``run_case(case: dict) -> dict`` (runs in the current process) and a
+list of cases per preset. ``run_suite`` runs each case in a new process (``python -m MODULE
+--case JSON``) so that every peak-memory reading is that case's own, then writes one JSON record
+(command, device, date, versions, numbers) under the results directory.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import jax
+
+from peakflat_jax import memory
+
+RESULTS_DIR = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "results"
+
+
+def time_call(fn: Callable, *args, warmup: int = 2, repeats: int = 10) -> dict:
+    """Median and spread of wall time of ``fn(*args)``, synchronised on its outputs."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append(time.perf_counter() - start)
+    return {"median_s": statistics.median(samples), "min_s": min(samples),
+            "max_s": max(samples), "repeats": repeats}
+
+
+def peak_bytes_over(devices) -> int | None:
+    """The largest allocator peak over the devices a case used (None on CPU)."""
+    peaks = [memory.peak_device_bytes(d) for d in devices]
+    return None if any(p is None for p in peaks) else max(peaks)
+
+
+def describe_device() -> str:
+    devices = jax.devices()
+    return f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()})"
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=RESULTS_DIR.parent.parent).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def case_main(run_case: Callable[[dict], dict]) -> None:
+    """The ``--case JSON`` entry point of a benchmark module: one case, one JSON line out."""
+    case = json.loads(sys.argv[sys.argv.index("--case") + 1])
+    try:
+        result = run_case(case)
+    except Exception as error:  # an OOM is a result, not a crash of the suite
+        message = str(error)
+        result = {"error": type(error).__name__,
+                  "oom": "RESOURCE_EXHAUSTED" in message or "out of memory" in message.lower(),
+                  "message": message[:2000]}
+    print(json.dumps({**case, **result}))
+
+
+def run_suite(module: str, name: str, preset: str, cases: list[dict], *, command: str,
+              out_dir: pathlib.Path | None = None, timeout: float = 900) -> dict:
+    """Runs every case in a fresh process and writes ``<out_dir>/<name>_<preset>_<date>.json``."""
+    results = []
+    for case in cases:
+        print(f"[{name}] {json.dumps(case)}", file=sys.stderr, flush=True)
+        result = memory.run_in_fresh_process(module, ["--case", json.dumps(case)],
+                                             timeout=timeout)
+        results.append({**case, **result})
+    now = datetime.datetime.now(datetime.timezone.utc)
+    record = {
+        "benchmark": name, "preset": preset, "command": command,
+        "date": now.isoformat(timespec="seconds"), "device": describe_device(),
+        "jax": jax.__version__, "python": platform.python_version(), "commit": git_commit(),
+        "cases": results,
+    }
+    out_dir = RESULTS_DIR if out_dir is None else pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}_{preset}_{now:%Y%m%d-%H%M%S}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    record["path"] = str(path)
+    return record
+
+
+def format_bytes(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.3f} GiB"
+
+
+def format_table(headers: list[str], rows: list[list]) -> str:
+    widths = [max(len(str(x)) for x in column) for column in zip(headers, *rows)]
+    line = lambda cells: " | ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(headers), "-+-".join("-" * w for w in widths), *map(line, rows)])

@@ -1,0 +1,59 @@
+"""The ``peakflat`` command.
+
+    peakflat bench OPERATOR [--preset cpu|gpu] [--only TEXT] [--out-dir DIR] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+BENCHMARKS = {"ring_dtp": "peakflat_jax.bench.ring_dtp"}
+
+
+def _prepare_environment() -> None:
+    """Before jax is imported: 8 simulated devices where the backend is the CPU (ignored by GPU
+    backends), and room for the largest baselines on a GPU (JAX reserves 75% by default)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    module = importlib.import_module(BENCHMARKS[args.operator])
+    from peakflat_jax.bench import harness
+
+    cases = module.presets()[args.preset]
+    if args.only:
+        cases = [c for c in cases if args.only in json.dumps(c)]
+    command = "peakflat " + " ".join(sys.argv[1:])
+    record = harness.run_suite(BENCHMARKS[args.operator], args.operator, args.preset, cases,
+                               command=command, out_dir=args.out_dir)
+    print(json.dumps(record, indent=1) if args.json else module.summarize(record))
+    print(f"record: {record['path']}", file=sys.stderr)
+    return 0 if all("error" not in c or c.get("oom") for c in record["cases"]) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="peakflat", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser("bench", help="benchmark an operator against its baseline")
+    bench.add_argument("operator", choices=sorted(BENCHMARKS))
+    bench.add_argument("--preset", default="cpu", help="cpu (small, runs anywhere) or gpu "
+                       "(the paper's shapes)")
+    bench.add_argument("--only", help="run only the cases whose JSON contains this text")
+    bench.add_argument("--out-dir", help="where the JSON record goes (default scripts/results)")
+    bench.add_argument("--json", action="store_true", help="print the whole record as JSON")
+    args = parser.parse_args(argv)
+    _prepare_environment()
+    return _bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
