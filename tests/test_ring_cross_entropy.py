@@ -194,6 +194,16 @@ def test_no_logits_sized_array_in_forward_or_backward(mode):
     assert memory.compiled_memory(ring).temp <= memory.compiled_memory(baseline).temp / 4
 
 
+def test_backward_recomputes_strips_instead_of_keeping_forwards():
+    """At P = 2 the ring is straight-line code: unless prevented, XLA merges backward's strip
+    matmul with forward's and keeps all N x V logits alive. 4 strip matmuls per meeting prove
+    the recomputation (forward 1; backward: recompute, dX, dW)."""
+    ring_size = 2
+    mesh, x, w, t = abstract_case(ring_size, 64, 16, 128)
+    text = compile_loss_and_grads(ring_loss_fn(mesh), x, w, t).as_text()
+    assert len(re.findall(r" dot\(", text)) == 4 * ring_size
+
+
 def test_vocab_block_bounds_the_strip_on_one_device():
     tokens, vocab, block = 1024, 32_768, 2048
     mesh, x, w, t = abstract_case(1, tokens, 32, vocab)

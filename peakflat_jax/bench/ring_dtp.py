@@ -36,11 +36,12 @@ def presets() -> dict[str, list[dict]]:
                 dict(method="ring", ring_size=1, tokens=tokens, vocab_block=8192, **PAPER)]
     for tokens in (16384, 32768):  # two H200s
         gpu += [dict(method="materialized", ring_size=2, tokens=tokens, **PAPER),
-                dict(method="ring", ring_size=2, tokens=tokens, mode="auto", **PAPER),
                 dict(method="ring", ring_size=2, tokens=tokens, mode="move_activations",
-                     vocab_block=8192, **PAPER),
+                     vocab_block=4096, **PAPER),
                 dict(method="ring", ring_size=2, tokens=tokens, mode="move_weights",
-                     vocab_block=8192, **PAPER)]
+                     vocab_block=4096, **PAPER)]
+    # The whole shard as one strip: bounded by N x Vs, not by a block.
+    gpu.append(dict(method="ring", ring_size=2, tokens=16384, mode="auto", **PAPER))
     small = dict(hidden=32, vocab=32_768, dtype="float32", repeats=3)
     cpu = [dict(method="materialized", ring_size=8, tokens=512, **small),
            dict(method="ring", ring_size=8, tokens=512, mode="auto", **small),

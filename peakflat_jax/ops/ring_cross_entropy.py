@@ -257,10 +257,12 @@ def _shard_statistics(ring: _Ring, hidden, kernel, targets, shard):
     return _fold_blocks(ring, per_block, _empty_statistics(targets))
 
 
-def _shard_gradients(ring: _Ring, hidden, kernel, targets, shard, lse, scale):
-    """(dX [N, H], dW [H, Vs]) fp32 of one meeting, given the final log-sum-exp per token.
+def _accumulate_shard_gradients(ring: _Ring, grads, hidden, kernel, targets, shard, lse, scale):
+    """Adds one meeting's (dX [N, H], dW [H, Vs]) to the fp32 accumulators ``grads``.
 
-    ``scale`` is the loss cotangent per token (0 where ignored, NaN where the target is invalid).
+    ``lse`` is the final log-sum-exp per token; ``scale`` the loss cotangent per token (0 where
+    ignored, NaN where the target is invalid). Accumulating in place, rather than returning a
+    fresh partial, saves a whole fp32 shard-sized buffer.
     """
     compute_dtype = hidden.dtype
 
@@ -283,8 +285,7 @@ def _shard_gradients(ring: _Ring, hidden, kernel, targets, shard, lse, scale):
             start, axis=1)
         return d_hidden, d_kernel
 
-    init = (jnp.zeros_like(hidden, jnp.float32), jnp.zeros_like(kernel, jnp.float32))
-    return _fold_blocks(ring, per_block, init)
+    return _fold_blocks(ring, per_block, grads)
 
 
 def _empty_statistics(targets):
@@ -344,9 +345,8 @@ def _backward_grads(ring: _Ring, hidden, kernel, targets, lse, scale):
     hidden, kernel = _compute_operands(hidden, kernel)
     if ring.move_weights:
         def step(s, kernel_shard, d_hidden, d_kernel):
-            shard = _shard_at_step(ring, s)
-            dx, dw = _shard_gradients(ring, hidden, kernel_shard, targets, shard, lse, scale)
-            return d_hidden + dx, d_kernel + dw
+            return _accumulate_shard_gradients(ring, (d_hidden, d_kernel), hidden, kernel_shard,
+                                               targets, _shard_at_step(ring, s), lse, scale)
 
         d_hidden, d_kernel = _drive_ring(ring, step, kernel, jnp.zeros_like(hidden, jnp.float32),
                                          jnp.zeros_like(kernel, jnp.float32))
@@ -355,9 +355,10 @@ def _backward_grads(ring: _Ring, hidden, kernel, targets, lse, scale):
 
         def step(s, tokens, d_kernel, d_hidden):
             visiting_hidden, visiting_targets, visiting_lse, visiting_scale = tokens
-            dx, dw = _shard_gradients(ring, visiting_hidden, kernel, visiting_targets, own_shard,
-                                      visiting_lse, visiting_scale)
-            return d_kernel + dw, d_hidden + dx
+            d_hidden, d_kernel = _accumulate_shard_gradients(
+                ring, (d_hidden, d_kernel), visiting_hidden, kernel, visiting_targets, own_shard,
+                visiting_lse, visiting_scale)
+            return d_kernel, d_hidden
 
         d_kernel, d_hidden = _drive_ring(ring, step, (hidden, targets, lse, scale),
                                          jnp.zeros_like(kernel, jnp.float32),
@@ -385,6 +386,10 @@ def _ring_cross_entropy_fwd(ring: _Ring, hidden, kernel, targets):
 
 def _ring_cross_entropy_bwd(ring: _Ring, residuals, d_loss):
     hidden, kernel, targets, lse = residuals
+    # Without the barrier XLA may prove that backward's strips equal forward's and keep forward's
+    # alive instead of recomputing them (all N x V logits, when the ring is short enough to be
+    # straight-line code). jax.checkpoint's prevent_cse does the same.
+    hidden, kernel = lax.optimization_barrier((hidden, kernel))
     ignored, in_vocab = _token_validity(ring, targets)
     # An invalid target poisons its gradient as it poisons its loss.
     scale = jnp.where(ignored, 0.0, jnp.where(in_vocab, d_loss.astype(jnp.float32), jnp.nan))
