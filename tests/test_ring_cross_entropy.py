@@ -194,6 +194,16 @@ def test_no_logits_sized_array_in_forward_or_backward(mode):
     assert memory.compiled_memory(ring).temp <= memory.compiled_memory(baseline).temp / 4
 
 
+def test_bound_holds_under_rematerialization():
+    """The loss inside jax.checkpoint (as in a checkpointed decoder): the replayed forward and
+    the backward still hold no logits-sized array."""
+    ring_size, tokens, vocab = 8, 512, 32_768
+    mesh, x, w, t = abstract_case(ring_size, tokens, 32, vocab)
+    loss_fn = jax.checkpoint(ring_loss_fn(mesh, vocab_block=1024))
+    compiled = compile_loss_and_grads(loss_fn, x, w, t)
+    memory.assert_no_array_at_least(compiled, 2 * tokens * 1024, what="logits strip")
+
+
 def test_backward_recomputes_strips_instead_of_keeping_forwards():
     """At P = 2 the ring is straight-line code: unless prevented, XLA merges backward's strip
     matmul with forward's and keeps all N x V logits alive. 4 strip matmuls per meeting prove

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import pathlib
 import platform
 import statistics
@@ -50,11 +51,15 @@ def describe_device() -> str:
 
 
 def git_commit() -> str:
+    """The commit measured: PEAKFLAT_COMMIT where the tree travels without .git (GPU machines)."""
+    if os.environ.get("PEAKFLAT_COMMIT"):
+        return os.environ["PEAKFLAT_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=RESULTS_DIR.parent.parent).stdout.strip()
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=RESULTS_DIR.parent.parent).stdout.strip()
     except OSError:
-        return "unknown"
+        commit = ""
+    return commit or "unknown"
 
 
 def case_main(run_case: Callable[[dict], dict]) -> None:
@@ -99,6 +104,10 @@ def format_bytes(n: int | None) -> str:
 
 
 def format_table(headers: list[str], rows: list[list]) -> str:
+    """A markdown table, aligned so that it also reads well in a terminal."""
     widths = [max(len(str(x)) for x in column) for column in zip(headers, *rows)]
-    line = lambda cells: " | ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([line(headers), "-+-".join("-" * w for w in widths), *map(line, rows)])
+
+    def line(cells):
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
