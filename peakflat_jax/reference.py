@@ -42,3 +42,24 @@ def materialized_cross_entropy(hidden: jax.Array, kernel: jax.Array, targets: ja
     full_kernel = lax.all_gather(kernel, axis_name, axis=1, tiled=True)
     return cross_entropy(hidden, full_kernel, targets, vocab_size=vocab_size,
                          ignore_index=ignore_index)
+
+
+def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                   w_down: jax.Array) -> jax.Array:
+    """Every expert applied to every token: ``[E, N, H]``,
+    ``ffn_e(v) = (silu(v @ w_gate[e]) * (v @ w_up[e])) @ w_down[e]``."""
+    gate = jnp.einsum("nh,ehf->enf", x, w_gate)
+    up = jnp.einsum("nh,ehf->enf", x, w_up)
+    return jnp.einsum("enf,efh->enh", jax.nn.silu(gate) * up, w_down)
+
+
+def mixture_of_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
+                       w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """``y[n] = sum_j gates[n, j] * ffn_{expert_ids[n, j]}(x[n])`` with all E experts' weights
+    ([E, H, F], [E, H, F], [E, F, H]) on one device: x [N, H], expert_ids and gates [N, k]."""
+    outputs = swiglu_experts(x, w_gate, w_up, w_down)  # [E, N, H]
+    num_experts = w_gate.shape[0]
+    # weight[e, n] = sum of the gates of n's slots that chose e (a slot may repeat an expert).
+    weight = jnp.einsum("nk,nke->en", gates, jax.nn.one_hot(expert_ids, num_experts,
+                                                             dtype=gates.dtype))
+    return jnp.einsum("en,enh->nh", weight, outputs)

@@ -56,6 +56,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from peakflat_jax.ops._shard import vary_alike
+
 MODES = ("auto", "move_weights", "move_activations")
 
 
@@ -115,7 +117,7 @@ def ring_cross_entropy(
     """
     ring = _describe_call(hidden, kernel, targets, axis_name, vocab_size, mode, ignore_index,
                           vocab_block)
-    hidden, kernel, targets = _vary_alike(hidden, kernel, targets)
+    hidden, kernel, targets = vary_alike(hidden, kernel, targets)
     return _ring_cross_entropy(ring, hidden, kernel, targets)
 
 
@@ -155,22 +157,6 @@ def _describe_call(hidden, kernel, targets, axis_name, vocab_size, mode, ignore_
     move_weights = mode == "move_weights" or (mode == "auto" and num_tokens > shard_width)
     return _Ring(axis_name, ring_size, vocab_size, shard_width, block_width, move_weights,
                  ignore_index)
-
-
-def _vary_alike(*arrays):
-    """Makes all operands vary over the same mesh axes (the union of theirs).
-
-    Inside a custom VJP the cotangent of, say, a kernel replicated over a data axis must not vary
-    over that axis; casting before the custom VJP lets autodiff insert the psum it needs.
-    """
-    def varying(a):
-        return getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", frozenset())
-
-    union = frozenset().union(*map(varying, arrays))
-    return tuple(
-        lax.pcast(a, tuple(sorted(union - varying(a))), to="varying") if union - varying(a) else a
-        for a in arrays
-    )
 
 
 # ----------------------------------------------------------------------------------------------

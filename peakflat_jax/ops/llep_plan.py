@@ -1,0 +1,109 @@
+"""The least-loaded expert-parallel (LLEP) plan: which device processes how many of each expert's
+token-slots.
+
+A pure function of the all-reduced per-expert loads, computed inside the compiled program (no
+host round trip) and identical on every rank. The plan is an ``[E, D]`` int32 matrix
+``assignment[e, d]``: the number of expert e's token-slots that device d processes. Row e sums
+to the load of e; ``assignment[e, e // E_l]`` is what the owner keeps; any other non-zero entry
+makes d a helper that receives e's weights.
+
+Algorithm (SPEC.md, Operator 1, step 2):
+
+1. Gate: with native loads ``D_d = sum of d's experts' loads`` and mean ``T / D``, plain expert
+   parallelism (every expert stays home) unless ``max_d D_d / mean >= threshold``.
+2. Capacity ``m_a = ceil(capacity * T / D)``. Experts in descending load (ties by id). Each owner
+   keeps up to ``m_a - assigned[owner]``. The excess goes, piece by piece, to the helper with the
+   lowest ``assigned + pending`` (pending: its own experts' loads not yet planned): a piece is the
+   helper's room, but at least ``min_tokens`` (or the whole remainder if smaller). When no
+   helper has room the remainder goes to the least loaded device, owner included.
+3. A device hosts at most ``max_foreign`` foreign experts (static buffers); helpers at that bound
+   are passed over, and when none is left the remainder stays with the owner.
+
+Legend: E experts, D devices in the expert-parallel group, E_l = E / D experts per device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def plain_assignment(loads: jax.Array, num_devices: int) -> jax.Array:
+    """Every expert's load on its owner: the ``[E, D]`` plan of standard expert parallelism."""
+    num_experts = loads.shape[0]
+    owner = jnp.arange(num_experts) // (num_experts // num_devices)
+    return jnp.where(owner[:, None] == jnp.arange(num_devices)[None, :], loads[:, None], 0
+                     ).astype(jnp.int32)
+
+
+def llep_assignment(loads: jax.Array, num_devices: int, *, threshold: float = 1.3,
+                    capacity: float = 1.0, min_tokens: int = 1024,
+                    max_foreign: int = 2) -> jax.Array:
+    """The ``[E, D]`` int32 LLEP plan for per-expert token-slot ``loads [E]`` (see module doc)."""
+    num_experts = loads.shape[0]
+    experts_per_device = num_experts // num_devices
+    loads = loads.astype(jnp.int32)
+    owner = jnp.arange(num_experts) // experts_per_device
+    devices = jnp.arange(num_devices)
+    # Every array derives from `loads` so that it varies over the same mesh axes (loop carries
+    # inside shard_map must).
+    zeros = functools.partial(jnp.zeros_like, loads, dtype=jnp.int32)
+    native = zeros(shape=(num_devices,)).at[owner].add(loads)
+    total = jnp.sum(loads)
+    # Integer arithmetic wherever possible so that every rank derives the same plan.
+    balanced = native.max() * num_devices < threshold * jnp.maximum(total, 1)
+    room_total = jnp.ceil(capacity * total / num_devices).astype(jnp.int32)
+    order = jnp.argsort(-loads, stable=True)
+
+    def plan_expert(i, state):
+        assignment, assigned, pending, foreign = state
+        expert = order[i]
+        load, home = loads[expert], owner[expert]
+        pending = pending.at[home].add(-load)
+        keep = jnp.minimum(load, jnp.maximum(room_total - assigned[home], 0))
+        assignment = assignment.at[expert, home].add(keep)
+        assigned = assignment.sum(0)
+
+        def place_piece(_, state):
+            assignment, assigned, foreign, remainder = state
+            hosting = assignment[expert] > 0
+            eligible = (devices != home) & (hosting | (foreign < max_foreign))
+            burden = assigned + pending
+            helper = jnp.argmin(jnp.where(eligible, burden, jnp.iinfo(jnp.int32).max))
+            room = room_total - burden[helper]
+            any_room = eligible.any() & (room > 0)
+            piece = jnp.minimum(remainder, jnp.maximum(room, min_tokens))
+            # No helper with room: the least loaded device that may take it, owner included.
+            fallback = jnp.argmin(jnp.where(eligible | (devices == home), burden,
+                                            jnp.iinfo(jnp.int32).max))
+            target = jnp.where(any_room, helper, fallback)
+            piece = jnp.where(any_room, piece, remainder)
+            new_host = (target != home) & ~hosting[target] & (piece > 0)
+            assignment = assignment.at[expert, target].add(piece)
+            foreign = foreign.at[target].add(new_host.astype(jnp.int32))
+            return assignment, assignment.sum(0), foreign, remainder - piece
+
+        # Each piece either fills a helper or ends the remainder: D pieces always suffice.
+        assignment, assigned, foreign, _ = lax.fori_loop(
+            0, num_devices, place_piece, (assignment, assigned, foreign, load - keep))
+        return assignment, assigned, pending, foreign
+
+    init = (zeros(shape=(num_experts, num_devices)), zeros(shape=(num_devices,)), native,
+            zeros(shape=(num_devices,)))
+    assignment = lax.fori_loop(0, num_experts, plan_expert, init)[0]
+    return jnp.where(balanced, plain_assignment(loads, num_devices), assignment)
+
+
+def foreign_experts(assignment: jax.Array, max_foreign: int) -> jax.Array:
+    """``[D, max_foreign]`` int32: the foreign experts each device hosts, by ascending id; -1 pads.
+    """
+    num_experts, num_devices = assignment.shape
+    owner = jnp.arange(num_experts) // (num_experts // num_devices)
+    hosts = (assignment.T > 0) & (owner[None, :] != jnp.arange(num_devices)[:, None])  # [D, E]
+    # Sort each device's hosted experts to the front, in id order.
+    keys = jnp.where(hosts, jnp.arange(num_experts)[None, :], num_experts)
+    ranked = jnp.sort(keys, axis=1)[:, :max_foreign]
+    return jnp.where(ranked < num_experts, ranked, -1).astype(jnp.int32)

@@ -1,0 +1,336 @@
+"""PipelinedLLEP: a mixture-of-experts layer whose dispatch buffers are bounded by a per-source
+token budget, whatever the routing.
+
+Per rank (a shard_map over the expert-parallel axis of D devices, each owning E_l experts):
+
+1. **Load.** Count token-slots per expert (a token routed to k experts counts k times),
+   all-gather the counts over the group.
+2. **Plan.** ``llep_plan.llep_assignment`` (or plain expert parallelism): ``[E, D]`` slots of
+   each expert per device, the same on every rank. Each slot's destination follows from its
+   place in the global order (source rank, then slot order) of its expert's slots.
+3. **Migrate.** Helpers receive the weights of the foreign experts they host (at most
+   ``max_foreign_experts`` each); the gradients of those copies flow back to the owners through
+   the transposed collectives and add to theirs.
+4. **Chunks.** K = min(ceil(N / token_budget), max_chunks) chunks of c = ceil(N / K) tokens:
+   strided (chunk i holds tokens i, i+K, i+2K, ...: a hot expert's tail is spread over all
+   chunks) or contiguous. A ``lax.scan`` over chunks, each chunk under ``jax.checkpoint``:
+   forward, backward and any replay of an enclosing checkpoint hold one chunk's buffers at a time.
+5. **Per chunk.** All-to-all dispatch of the chunk's S = c*k slots, grouped SwiGLU matmuls over
+   the local and foreign experts, all-to-all back, gate-weighted sum over k.
+
+Memory bound (per device, besides inputs, outputs and their gradients; b = bytes of x's dtype,
+G = E_l + max_foreign_experts groups):
+
+    dispatch:   4 * D * k * c * H * b       send and receive buckets, there and back
+    grouped:    3 * D * k * c * F * 4       gate and up projections, their product (fp32)
+    migrated:   3 * max_foreign_experts * H * F * b   foreign expert weights (and their grads)
+    routing:    O(N * k) int32 metadata
+
+It does not depend on the routing: skew makes the plan move more weights, never a buffer larger.
+The paper's receive-side bound is 2 * D * k * c * H * b; the padded all-to-all used here (the
+only one XLA:CPU has) doubles it with send buckets of the same size. No token-slot is dropped:
+an expert id outside [0, E) makes its token's output NaN.
+
+Legend: N tokens on this rank, H hidden, F expert FFN width, k top-k, E experts, D devices,
+E_l = E / D, K chunks, c tokens per chunk, S = c * k slots per chunk per source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from peakflat_jax.ops import expert_exchange, llep_plan
+from peakflat_jax.ops._shard import vary_alike
+from peakflat_jax.ops.grouped_matmul import grouped_matmul
+
+MEMBERSHIPS = ("strided", "contiguous")
+BALANCES = ("llep", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    """Static description of one call."""
+
+    axis_name: Any
+    num_devices: int
+    num_experts: int
+    num_tokens: int
+    top_k: int
+    num_chunks: int
+    membership: str
+    balance: str
+    llep_threshold: float
+    llep_capacity: float
+    llep_min_tokens: int
+    max_foreign_experts: int
+
+    @property
+    def experts_per_device(self) -> int:
+        return self.num_experts // self.num_devices
+
+    @property
+    def num_groups(self) -> int:
+        return self.experts_per_device + self.max_foreign_experts
+
+    @property
+    def chunk_tokens(self) -> int:
+        return math.ceil(self.num_tokens / self.num_chunks)
+
+
+def pipelined_moe(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_gate: jax.Array,
+                  w_up: jax.Array, w_down: jax.Array, *, axis_name: Any, num_experts: int,
+                  token_budget: int | None = None, max_chunks: int = 10,
+                  membership: str = "strided", balance: str = "llep",
+                  llep_threshold: float = 1.3, llep_capacity: float = 1.0,
+                  llep_min_tokens: int = 1024,
+                  max_foreign_experts: int | None = None) -> jax.Array:
+    """``y[n] = sum_j gates[n, j] * ffn_{expert_ids[n, j]}(x[n])`` with experts spread over
+    ``axis_name`` (expert e on position e // E_l), in chunks of bounded size.
+
+    Call inside ``jax.shard_map``.
+
+    Args:
+      x: ``[N, H]`` this rank's tokens.
+      expert_ids: ``[N, k]`` int expert of each slot, in ``[0, num_experts)``.
+      gates: ``[N, k]`` weight of each slot.
+      w_gate, w_up: ``[E_l, H, F]``; w_down: ``[E_l, F, H]``: this rank's experts,
+        ``ffn_e(v) = (silu(v @ w_gate[e]) * (v @ w_up[e])) @ w_down[e]``.
+      axis_name: the expert-parallel mesh axis (D devices).
+      num_experts: E, a multiple of D.
+      token_budget: tokens per chunk per source (c); None means one chunk.
+      max_chunks: at most this many chunks (K_max); it wins over token_budget.
+      membership: ``"strided"`` or ``"contiguous"`` chunks.
+      balance: ``"llep"`` (least-loaded spill with weight migration) or ``"none"``.
+      llep_threshold, llep_capacity, llep_min_tokens: the plan's lambda, alpha and m.
+      max_foreign_experts: foreign experts a device may host (static buffers); default E_l.
+
+    Returns:
+      ``[N, H]`` in x's dtype; rows whose ids leave ``[0, num_experts)`` are NaN.
+    """
+    layer = _describe_call(x, expert_ids, gates, w_gate, w_up, w_down, axis_name, num_experts,
+                           token_budget, max_chunks, membership, balance, llep_threshold,
+                           llep_capacity, llep_min_tokens, max_foreign_experts)
+    x, gates, w_gate, w_up, w_down, expert_ids = vary_alike(x, gates, w_gate, w_up, w_down,
+                                                            expert_ids)
+    return _pipelined_moe(layer, x, expert_ids, gates, w_gate, w_up, w_down)
+
+
+def _describe_call(x, expert_ids, gates, w_gate, w_up, w_down, axis_name, num_experts,
+                   token_budget, max_chunks, membership, balance, llep_threshold, llep_capacity,
+                   llep_min_tokens, max_foreign_experts) -> _Layer:
+    """Checks the arguments at trace time and fixes the static plan of the layer."""
+    if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"x: expected a floating [N, H] array, got {x.dtype}{list(x.shape)}")
+    num_tokens, hidden = x.shape
+    if expert_ids.ndim != 2 or expert_ids.shape[0] != num_tokens or not jnp.issubdtype(
+            expert_ids.dtype, jnp.integer):
+        raise ValueError(f"expert_ids: expected an integer [N={num_tokens}, k] array, got "
+                         f"{expert_ids.dtype}{list(expert_ids.shape)}")
+    if gates.shape != expert_ids.shape or not jnp.issubdtype(gates.dtype, jnp.floating):
+        raise ValueError(f"gates: expected a floating array shaped like expert_ids "
+                         f"{list(expert_ids.shape)}, got {gates.dtype}{list(gates.shape)}")
+    num_devices = lax.axis_size(axis_name)
+    if not isinstance(num_experts, int) or num_experts < 1 or num_experts % num_devices:
+        raise ValueError(f"num_experts: expected a positive multiple of the axis size "
+                         f"{num_devices}, got {num_experts!r}")
+    local = num_experts // num_devices
+    if w_gate.ndim != 3 or w_gate.shape[:2] != (local, hidden):
+        raise ValueError(f"w_gate: expected [E_l={local}, H={hidden}, F], got "
+                         f"{list(w_gate.shape)}")
+    if w_up.shape != w_gate.shape:
+        raise ValueError(f"w_up: expected {list(w_gate.shape)} like w_gate, got "
+                         f"{list(w_up.shape)}")
+    if w_down.shape != (local, w_gate.shape[2], hidden):
+        raise ValueError(f"w_down: expected [E_l={local}, F={w_gate.shape[2]}, H={hidden}], got "
+                         f"{list(w_down.shape)}")
+    if token_budget is not None and (not isinstance(token_budget, int) or token_budget < 1):
+        raise ValueError(f"token_budget: expected None or a positive int, got {token_budget!r}")
+    if not isinstance(max_chunks, int) or max_chunks < 1:
+        raise ValueError(f"max_chunks: expected a positive int, got {max_chunks!r}")
+    if membership not in MEMBERSHIPS:
+        raise ValueError(f"membership: expected one of {MEMBERSHIPS}, got {membership!r}")
+    if balance not in BALANCES:
+        raise ValueError(f"balance: expected one of {BALANCES}, got {balance!r}")
+    if not llep_threshold > 0 or not llep_capacity > 0:
+        raise ValueError(f"llep_threshold, llep_capacity: expected positive numbers, got "
+                         f"{llep_threshold!r}, {llep_capacity!r}")
+    if not isinstance(llep_min_tokens, int) or llep_min_tokens < 1:
+        raise ValueError(f"llep_min_tokens: expected a positive int, got {llep_min_tokens!r}")
+    if max_foreign_experts is None:
+        max_foreign_experts = local if balance == "llep" and num_devices > 1 else 0
+    if not isinstance(max_foreign_experts, int) or not (
+            0 <= max_foreign_experts <= num_experts - local):
+        raise ValueError(f"max_foreign_experts: expected an int in [0, E - E_l = "
+                         f"{num_experts - local}], got {max_foreign_experts!r}")
+    if balance == "none":
+        max_foreign_experts = 0
+    num_chunks = 1 if token_budget is None else min(math.ceil(num_tokens / token_budget),
+                                                    max_chunks)
+    return _Layer(axis_name, num_devices, num_experts, num_tokens, expert_ids.shape[1],
+                  max(num_chunks, 1), membership, balance, float(llep_threshold),
+                  float(llep_capacity), llep_min_tokens, max_foreign_experts)
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing: where every slot goes, decided once per step from the all-gathered counts.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Routes:
+    destination: jax.Array  # [N, k] device of each slot; D where the id is invalid
+    group: jax.Array        # [N, k] group (local expert, then foreign slot) on that device
+    foreign: jax.Array      # [D, max_foreign] foreign experts hosted by each device, -1 pads
+    invalid_token: jax.Array  # [N] bool: some id of the token is outside [0, E)
+
+
+def _route_slots(layer: _Layer, expert_ids: jax.Array) -> _Routes:
+    ids = expert_ids.reshape(-1).astype(jnp.int32)
+    valid = (ids >= 0) & (ids < layer.num_experts)
+    expert = jnp.where(valid, ids, layer.num_experts)  # invalid slots sort last, count nowhere
+    counts = jnp.zeros(layer.num_experts + 1, jnp.int32).at[expert].add(1)[:-1]
+    all_counts = lax.all_gather(counts, layer.axis_name)  # [D, E]
+    loads = all_counts.sum(0)
+    if layer.balance == "llep":
+        assignment = llep_plan.llep_assignment(
+            loads, layer.num_devices, threshold=layer.llep_threshold,
+            capacity=layer.llep_capacity, min_tokens=layer.llep_min_tokens,
+            max_foreign=layer.max_foreign_experts)
+    else:
+        assignment = llep_plan.plain_assignment(loads, layer.num_devices)
+    me = lax.axis_index(layer.axis_name)
+    # Global index of each slot among its expert's slots: earlier sources first, then the
+    # slot's rank among this source's slots of the same expert.
+    earlier_sources = jnp.sum(jnp.where(jnp.arange(layer.num_devices)[:, None] < me,
+                                        all_counts, 0), axis=0)
+    rank_in_source = expert_exchange.bucket_positions(expert, layer.num_experts)
+    safe_expert = jnp.minimum(expert, layer.num_experts - 1)
+    global_index = earlier_sources[safe_expert] + rank_in_source
+    segment_ends = jnp.cumsum(assignment, axis=1)[safe_expert]  # [S, D]
+    destination = jnp.sum(global_index[:, None] >= segment_ends, axis=1).astype(jnp.int32)
+    destination = jnp.where(valid, destination, layer.num_devices)
+
+    local = layer.experts_per_device
+    foreign = llep_plan.foreign_experts(assignment, layer.max_foreign_experts)
+    if layer.max_foreign_experts:
+        hosted = foreign[jnp.minimum(destination, layer.num_devices - 1)] == safe_expert[:, None]
+        foreign_slot = jnp.argmax(hosted, axis=1).astype(jnp.int32)
+    else:
+        foreign_slot = jnp.zeros_like(destination)
+    at_home = destination == safe_expert // local
+    group = jnp.where(at_home, safe_expert % local, local + foreign_slot)
+    shape = expert_ids.shape
+    return _Routes(destination.reshape(shape), group.reshape(shape), foreign,
+                   ~valid.reshape(shape).all(axis=1))
+
+
+# ----------------------------------------------------------------------------------------------
+# Expert-weight migration.
+
+
+def _migrate_weights(layer: _Layer, foreign: jax.Array, weights):
+    """This device's local experts followed by the foreign experts it hosts: [G, ...] each.
+
+    Shift s sends to device me + s the foreign experts it hosts that this device owns (zeros
+    elsewhere); D - 1 ppermutes of ``max_foreign_experts`` experts each. Their transposes carry
+    the foreign copies' gradients back to the owners.
+    """
+    if not layer.max_foreign_experts:
+        return weights
+    me = lax.axis_index(layer.axis_name)
+    local = layer.experts_per_device
+    received = [jnp.zeros((layer.max_foreign_experts, *w.shape[1:]), w.dtype) for w in weights]
+    for shift in range(1, layer.num_devices):
+        wanted = foreign[(me + shift) % layer.num_devices]  # [max_foreign] expert ids
+        mine = (wanted >= 0) & (wanted // local == me)
+        index = jnp.where(mine, wanted % local, 0)
+        perm = [(d, (d + shift) % layer.num_devices) for d in range(layer.num_devices)]
+        for i, w in enumerate(weights):
+            outgoing = jnp.where(mine.reshape(-1, *([1] * (w.ndim - 1))), w[index], 0)
+            received[i] = received[i] + lax.ppermute(outgoing, layer.axis_name, perm)
+    return tuple(jnp.concatenate([w, r]) for w, r in zip(weights, received))
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunks.
+
+
+def _chunk_layout(layer: _Layer) -> tuple[np.ndarray, np.ndarray]:
+    """Static token indices of each chunk ``[K, c]`` (N pads) and each token's place in the
+    flattened chunks ``[N]``."""
+    num_chunks, chunk_tokens, num_tokens = layer.num_chunks, layer.chunk_tokens, layer.num_tokens
+    slots = np.arange(num_chunks * chunk_tokens)
+    if layer.membership == "strided":
+        # chunk i, position p holds token i + p*K
+        tokens = (slots % chunk_tokens) * num_chunks + slots // chunk_tokens
+    else:
+        tokens = slots
+    tokens = np.where(tokens < num_tokens, tokens, num_tokens).reshape(num_chunks, chunk_tokens)
+    place = np.zeros(num_tokens, np.int64)
+    flat = tokens.reshape(-1)
+    place[flat[flat < num_tokens]] = np.nonzero(flat < num_tokens)[0]
+    return tokens, place
+
+
+def _expert_ffn(rows, group, weights, num_groups: int):
+    """SwiGLU of each row with its group's expert: rows [M, H], group [M] in [0, G] (G: none)."""
+    w_gate, w_up, w_down = weights
+    order = jnp.argsort(group, stable=True)
+    sizes = jnp.zeros(num_groups + 1, jnp.int32).at[group].add(1)[:num_groups]
+    sorted_rows = rows[order]
+    hidden = jax.nn.silu(grouped_matmul(sorted_rows, w_gate, sizes)) * grouped_matmul(
+        sorted_rows, w_up, sizes)
+    out = grouped_matmul(hidden.astype(rows.dtype), w_down, sizes).astype(rows.dtype)
+    return jnp.zeros_like(out).at[order].set(out)
+
+
+def _chunk_forward(layer: _Layer, weights, x_chunk, gates_chunk, destination, group):
+    """One chunk: dispatch, grouped SwiGLU, combine. x_chunk [c, H]; the rest [c, k]."""
+    num_slots = destination.size
+    destination, group = destination.reshape(-1), group.reshape(-1)
+    positions = expert_exchange.bucket_positions(destination, layer.num_devices)
+    slot_rows = jnp.repeat(x_chunk, layer.top_k, axis=0)  # slot (n, j) at row n*k + j
+    sent = expert_exchange.pack(slot_rows, destination, positions, layer.num_devices)
+    sent_group = expert_exchange.pack(group, destination, positions, layer.num_devices,
+                                      fill=layer.num_groups)
+    received = expert_exchange.exchange(sent, layer.axis_name)  # [D, S, H]
+    received_group = expert_exchange.exchange(sent_group, layer.axis_name)
+    hidden = x_chunk.shape[1]
+    processed = _expert_ffn(received.reshape(-1, hidden), received_group.reshape(-1), weights,
+                            layer.num_groups)
+    returned = expert_exchange.exchange(processed.reshape(layer.num_devices, num_slots, hidden),
+                                        layer.axis_name)
+    slot_out = expert_exchange.unpack(returned, destination, positions)  # [S, H]
+    slot_out = slot_out.reshape(-1, layer.top_k, hidden).astype(jnp.float32)
+    combined = jnp.einsum("ck,ckh->ch", gates_chunk.astype(jnp.float32), slot_out)
+    return combined.astype(x_chunk.dtype)
+
+
+def _pipelined_moe(layer: _Layer, x, expert_ids, gates, w_gate, w_up, w_down):
+    routes = _route_slots(layer, expert_ids)
+    weights = _migrate_weights(layer, routes.foreign, (w_gate, w_up, w_down))
+    tokens, place = _chunk_layout(layer)
+    padded = lambda a, fill: jnp.concatenate(  # noqa: E731  (row N: the padding token)
+        [a, jnp.full((1, *a.shape[1:]), fill, a.dtype)])
+    x_chunks = padded(x, 0)[tokens]
+    gate_chunks = padded(gates, 0)[tokens]
+    destination_chunks = padded(routes.destination, layer.num_devices)[tokens]
+    group_chunks = padded(routes.group, layer.num_groups)[tokens]
+
+    @functools.partial(jax.checkpoint, prevent_cse=True)
+    def one_chunk(weights, chunk):
+        return _chunk_forward(layer, weights, *chunk)
+
+    def step(_, chunk):
+        return None, one_chunk(weights, chunk)
+
+    _, y_chunks = lax.scan(step, None, (x_chunks, gate_chunks, destination_chunks, group_chunks))
+    y = y_chunks.reshape(-1, x.shape[1])[place]
+    return jnp.where(routes.invalid_token[:, None], jnp.nan, y).astype(x.dtype)
