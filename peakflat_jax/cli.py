@@ -15,7 +15,7 @@ BENCHMARKS = {"ring_dtp": "peakflat_jax.bench.ring_dtp"}
 
 
 def _prepare_environment() -> None:
-    """Before jax is imported: 8 simulated devices where the backend is the CPU (ignored by GPU
+    """Before jax's backends start: 8 simulated devices where the backend is the CPU (ignored by GPU
     backends), and room for the largest baselines on a GPU (JAX reserves 75% by default)."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("bench", help="benchmark an operator against its baseline")
     bench.add_argument("operator", choices=sorted(BENCHMARKS))
-    bench.add_argument("--preset", default="cpu", help="cpu (small, runs anywhere) or gpu "
-                       "(the paper's shapes)")
+    bench.add_argument("--preset", default="cpu", choices=["cpu", "gpu"],
+                       help="cpu (small, runs anywhere) or gpu (the paper's shapes)")
     bench.add_argument("--only", help="run only the cases whose JSON contains this text")
     bench.add_argument("--out-dir", help="where the JSON record goes (default scripts/results)")
     bench.add_argument("--json", action="store_true", help="print the whole record as JSON")

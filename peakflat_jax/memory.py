@@ -25,8 +25,7 @@ import sys
 import jax
 
 # An HLO array type such as `f32[2048,16384]{1,0}` or `bf16[8]`; tuples are walked element-wise.
-_HLO_ARRAY = re.compile(r"\b(pred|s4|s8|s16|s32|s64|u4|u8|u16|u32|u64|f8e4m3fn|f8e5m2|bf16|f16|"
-                        r"f32|f64|c64|c128)\[([0-9,]*)\]")
+_HLO_ARRAY = re.compile(r"\b(pred|bf16|[subfc][0-9]+[a-z0-9]*)\[([0-9,]*)\]")  # f8e4m3fnuz too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +89,12 @@ def run_in_fresh_process(module: str, args: list[str], *, timeout: float = 600,
     """Runs ``python -m module *args`` in a new process and returns the JSON object that it
     prints as its last line of stdout, so that each case's peak memory is its own."""
     merged_env = {**os.environ, **(env or {})}
-    result = subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
-                            text=True, timeout=timeout, env=merged_env)
+    try:
+        result = subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
+                                text=True, timeout=timeout, env=merged_env)
+    except subprocess.TimeoutExpired as expired:  # one slow case must not lose the others
+        return {"error": f"timeout after {timeout} s",
+                "stderr_tail": (expired.stderr or b"")[-3000:].decode(errors="replace")}
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode != 0 or not lines:
         return {"error": f"exit {result.returncode}", "stderr_tail": result.stderr[-3000:]}

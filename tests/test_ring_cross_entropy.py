@@ -76,11 +76,12 @@ def assert_matches_reference(loss_fn, x, w, t, cotangent, vocab_size, *, loss_to
     assert relative_error(dw, ref_dw) < grad_tolerance(dw.dtype, grad_tol)
 
 
-@pytest.mark.parametrize("ring_size", [1, 2, 8])
+@pytest.mark.parametrize("ring_size", [1, 2, 3, 8])
 @pytest.mark.parametrize("mode", ["auto", "move_weights", "move_activations"])
 @pytest.mark.parametrize("vocab_block", [None, 5])
 def test_matches_reference(rng, ring_size, mode, vocab_block):
-    tokens_per_rank, shard_width = 24, 16
+    # auto with N < Vs moves activations; move_weights covers the other side.
+    tokens_per_rank, shard_width = (12 if mode == "auto" else 24), 16
     padded_vocab = ring_size * shard_width
     vocab_size = padded_vocab - 3  # the last shard ends in padding
     mesh = make_mesh(("vocab", ring_size))
@@ -101,11 +102,15 @@ def test_shard_wholly_padding_and_block_wider_than_shard(rng):
         assert_matches_reference(loss_fn, x, w, t, cotangent, vocab_size)
 
 
-@pytest.mark.parametrize("kernel_dtype", [np.float32, jnp.bfloat16])
-def test_bf16_hidden(rng, kernel_dtype):
+@pytest.mark.parametrize("hidden_dtype, kernel_dtype", [(jnp.bfloat16, np.float32),
+                                                       (np.float32, jnp.bfloat16),
+                                                       (jnp.bfloat16, jnp.bfloat16)])
+@pytest.mark.parametrize("tokens", [64, 256])  # both schedules under auto (Vs = 16)
+def test_bf16(rng, hidden_dtype, kernel_dtype, tokens):
     mesh = make_mesh(("vocab", 4))
-    x, w, t, cotangent = draw_case(rng, tokens=64, hidden=32, padded_vocab=64, vocab_size=64,
-                                   hidden_dtype=jnp.bfloat16, kernel_dtype=kernel_dtype)
+    x, w, t, cotangent = draw_case(rng, tokens=tokens, hidden=32, padded_vocab=64,
+                                   vocab_size=64, hidden_dtype=hidden_dtype,
+                                   kernel_dtype=kernel_dtype)
     # bf16 x bf16 products are exact in fp32 and the softmax math is fp32, so the loss keeps the
     # fp32 tolerance; a bf16 gradient is held to its own rounding (the bf16 x bf16 backward also
     # rounds the softmax cotangent to bf16 for the matmuls, as the standard bf16 loss does).
@@ -123,12 +128,14 @@ def test_kernel_replicated_over_a_data_axis(rng):
 
 
 def test_without_vma_checks(rng):
-    mesh = make_mesh(("vocab", 2))
+    # A data axis too: without vma checks nothing marks the kernel's gradient as needing a psum
+    # over it, yet the values must still be right.
+    mesh = make_mesh(("data", 2), ("vocab", 2))
     x, w, t, cotangent = draw_case(rng, tokens=32, hidden=16, padded_vocab=32, vocab_size=32)
+    tokens = P(("data", "vocab"))
     loss_fn = jax.shard_map(
         lambda x, w, t: pf.ring_cross_entropy(x, w, t, axis_name="vocab"), mesh=mesh,
-        in_specs=(P("vocab"), P(None, "vocab"), P("vocab")), out_specs=P("vocab"),
-        check_vma=False)
+        in_specs=(tokens, P(None, "vocab"), tokens), out_specs=tokens, check_vma=False)
     assert_matches_reference(loss_fn, x, w, t, cotangent, 32)
 
 
@@ -141,6 +148,56 @@ def test_target_outside_vocab_is_nan_never_a_finite_wrong_number(rng):
     loss, dx = np.asarray(loss), np.asarray(dx)
     assert np.isnan(loss[[3, 7]]).all() and np.isfinite(np.delete(loss, [3, 7])).all()
     assert np.isnan(dx[[3, 7]]).all() and np.isnan(np.asarray(dw)).any()
+
+
+def test_padding_columns_are_never_read(rng):
+    mesh = make_mesh(("vocab", 2))
+    x, w, t, cotangent = draw_case(rng, tokens=32, hidden=8, padded_vocab=32, vocab_size=27)
+    w = w.at[:, 27:29].set(jnp.nan).at[:, 29:].set(jnp.inf)
+    for mode in ("move_weights", "move_activations"):
+        loss_fn = ring_loss_fn(mesh, vocab_size=27, mode=mode, vocab_block=3)
+        loss, (dx, dw) = ring_value_and_grads(loss_fn, x, w, t, cotangent)
+        ref_loss, (ref_dx, ref_dw) = reference_value_and_grads(x, w[:, :27], t, cotangent, 27)
+        assert relative_error(loss, ref_loss) < LOSS_TOL
+        assert relative_error(dx, ref_dx) < GRAD_TOL
+        assert relative_error(dw[:, :27], ref_dw) < GRAD_TOL
+        assert (np.asarray(dw[:, 27:]) == 0).all()
+
+
+@pytest.mark.parametrize("dtype, ignore_index, target, ignored", [
+    (np.uint8, -100, 156, False),  # -100 wraps to 156 in uint8: must not ignore a real id
+    (np.int8, 300, 44, False),     # 300 wraps to 44 in int8
+    (np.uint8, 7, 7, True),
+    (np.int64, -100, -100, True),
+])
+def test_ignore_index_compares_values_not_wrapped_bits(rng, dtype, ignore_index, target,
+                                                         ignored):
+    mesh = make_mesh(("vocab", 2))
+    x, w, t, cotangent = draw_case(rng, tokens=8, hidden=8, padded_vocab=200, vocab_size=200,
+                                   ignored=0.0)
+    with jax.enable_x64(dtype == np.int64):
+        t = (np.asarray(t) % 100).astype(dtype)  # every dtype here holds [0, 100)
+        t[0] = target
+        loss = jax.jit(ring_loss_fn(mesh, ignore_index=ignore_index))(x, w, t)
+        expected = reference.cross_entropy(x, w, jnp.asarray(t, jnp.int32),
+                                           ignore_index=target if ignored else -100)
+    assert (float(loss[0]) == 0.0) == ignored
+    assert relative_error(loss, expected) < LOSS_TOL
+
+
+def test_masked_invalid_target_leaves_gradients_finite(rng):
+    # The caller masks an invalid token's loss: like the materialized loss, no NaN gradient.
+    mesh = make_mesh(("vocab", 2))
+    x, w, t, _ = draw_case(rng, tokens=16, hidden=8, padded_vocab=32, vocab_size=30,
+                           ignored=0.0)
+    t = t.at[0].set(31)
+    loss_fn = ring_loss_fn(mesh, vocab_size=30)
+    grads = jax.jit(jax.grad(lambda x, w: jnp.where(t < 30, loss_fn(x, w, t), 0).sum(),
+                             argnums=(0, 1)))(x, w)
+    masked = t.at[0].set(-100)
+    _, ref_grads = reference_value_and_grads(x, w, masked, np.ones(16, np.float32), 30)
+    for grad, ref in zip(grads, ref_grads):
+        assert relative_error(grad, ref) < GRAD_TOL
 
 
 @pytest.mark.parametrize("tokens_per_rank, expect_hop_of", [(40, "kernel"), (8, "hidden")])
@@ -235,6 +292,10 @@ def test_vocab_block_bounds_the_strip_on_one_device():
     (dict(kwargs=dict(vocab_size=0)), "vocab_size"),
     (dict(kwargs=dict(mode="ring")), "mode"),
     (dict(kwargs=dict(vocab_block=0)), "vocab_block"),
+    (dict(kwargs=dict(vocab_block=True)), "vocab_block"),
+    (dict(kwargs=dict(vocab_size=True)), "vocab_size"),
+    (dict(kwargs=dict(ignore_index=1.5)), "ignore_index"),
+    (dict(x_dtype=np.float64), "hidden"),
 ])
 def test_bad_input_names_the_argument(change, argument):
     mesh = make_mesh(("vocab", 2))
@@ -242,5 +303,5 @@ def test_bad_input_names_the_argument(change, argument):
     t = np.zeros(change.get("t_shape", (16,)), change.get("t_dtype", np.int32))
     w = np.zeros((8, 32), np.float32)
     loss_fn = ring_loss_fn(mesh, **change.get("kwargs", {}))
-    with pytest.raises(ValueError, match=argument):
+    with jax.enable_x64(x.dtype == np.float64), pytest.raises(ValueError, match=argument):
         jax.jit(loss_fn).lower(x, w, t)

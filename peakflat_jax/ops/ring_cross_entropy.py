@@ -31,15 +31,23 @@ needs the log-sum-exp over every shard first. Measured on H200 (scripts/results/
 
 Memory bound (per device, besides inputs and outputs; b = bytes of the compute dtype):
 
-    strips:  3 * N * B * 4                 logits, dY and its cast, one strip at a time
-    hops:    H * Vs * (b + 2 * 4)          move_weights: incoming shard; fp32 dW in and out
-             N * (H * (b + 2 * 4) + 16)    move_activations: incoming tokens; fp32 dX in and out
-    local:   N * H * 4  or  H * Vs * 4     the fp32 accumulator that stays home
+    strips:  3 * N * B * 4                     logits, dY and its cast, one strip at a time
+    hops:    2 * H * Vs * b + 2 * H * Vs * 4   move_weights: the shard in use and the next one;
+                                               fp32 dW in and out
+             2 * N * H * b + 2 * N * H * 4     move_activations: tokens in use and the next;
+                                               fp32 dX in and out (+ 4 fp32/int32 per token)
+    local:   N * H * 4  or  H * Vs * 4         the fp32 accumulator that stays home
+    cast:    N * H * 4  or  H * Vs * 4         only when hidden and kernel dtypes differ
 
 with B = min(vocab_block, Vs) (default Vs). No term has N * V; ``tests/`` prove that no array of
-2 * N * Vs elements exists in the compiled forward+backward program (also under jax.checkpoint),
-and the benchmark measured 9.09 GiB against the materialized loss's 85.67 GiB at P = 2,
-N = 32,768, H = 7168, V = 200,000, B = 4096 (fp32, two H200s).
+2 * N * Vs elements exists in the compiled forward+backward program (also inside
+``jax.checkpoint`` with its default policy), and the benchmark measured 9.09 GiB against the
+materialized loss's 85.67 GiB at P = 2, N = 32,768, H = 7168, V = 200,000, B = 4096 (fp32, two
+H200s).
+
+Known limit: inside ``jax.checkpoint`` with a policy that saves matmul outputs
+(``dots_saveable`` and kin), the checkpoint's replay saves every strip of the forward ring, all
+N x V logits. The loss is its own rematerialization; keep it outside such regions.
 
 Legend: N tokens on this rank, H hidden, P ring size, Vs vocab columns per shard (P * Vs >= V,
 the true vocab), B columns per strip (``vocab_block``), g the loss cotangent.
@@ -49,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -71,7 +80,11 @@ class _Ring:
     shard_width: int
     block_width: int
     move_weights: bool
-    ignore_index: int
+
+    @property
+    def padded(self) -> bool:
+        """Whether some kernel columns lie past the vocabulary (and must not be read)."""
+        return self.vocab_size < self.ring_size * self.shard_width
 
     @property
     def num_blocks(self) -> int:
@@ -115,21 +128,49 @@ def ring_cross_entropy(
       ``[N]`` float32 loss; 0 where ignored, NaN where a target is outside ``[0, vocab_size)``
       (never a finite wrong number). Differentiable w.r.t. ``hidden`` and ``kernel``.
     """
-    ring = _describe_call(hidden, kernel, targets, axis_name, vocab_size, mode, ignore_index,
-                          vocab_block)
-    hidden, kernel, targets = vary_alike(hidden, kernel, targets)
-    return _ring_cross_entropy(ring, hidden, kernel, targets)
+    ring = _describe_call(hidden, kernel, targets, axis_name, vocab_size, mode, vocab_block)
+    codes = _target_codes(targets, ring.vocab_size, _as_int("ignore_index", ignore_index))
+    hidden, kernel, codes = vary_alike(hidden, kernel, codes)
+    return _ring_cross_entropy(ring, hidden, kernel, codes)
 
 
-def _describe_call(hidden, kernel, targets, axis_name, vocab_size, mode, ignore_index,
-                   vocab_block) -> _Ring:
+# Targets become int32 codes before anything else: the id where it is in the vocabulary, else
+# one of these. Comparing in the caller's dtype could wrap (uint8 156 == -100).
+IGNORED, INVALID = -1, -2
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def _target_codes(targets, vocab_size: int, ignore_index: int):
+    info = jnp.iinfo(targets.dtype)
+    if info.min <= ignore_index <= info.max:
+        ignored = targets == ignore_index
+    else:  # no target of this dtype can equal it
+        ignored = jnp.zeros(targets.shape, bool)
+    in_vocab = targets >= 0
+    if vocab_size <= info.max:
+        in_vocab &= targets < vocab_size
+    ids = jnp.where(in_vocab, targets, 0).astype(jnp.int32)
+    return jnp.where(ignored, IGNORED, jnp.where(in_vocab, ids, INVALID))
+
+
+def _as_int(name: str, value) -> int:
+    """An int from an int-like (numpy ints too); bools and floats are errors, not 1 or 0."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name}: expected an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}: expected an int, got {value!r}") from None
+
+
+def _describe_call(hidden, kernel, targets, axis_name, vocab_size, mode, vocab_block) -> _Ring:
     """Checks the arguments at trace time and fixes the static plan of the ring."""
-    if hidden.ndim != 2 or not jnp.issubdtype(hidden.dtype, jnp.floating):
-        raise ValueError(f"hidden: expected a floating [N, H] array, got {hidden.dtype}"
-                         f"{list(hidden.shape)}")
-    if kernel.ndim != 2 or not jnp.issubdtype(kernel.dtype, jnp.floating):
-        raise ValueError(f"kernel: expected a floating [H, Vs] array, got {kernel.dtype}"
-                         f"{list(kernel.shape)}")
+    if hidden.ndim != 2 or hidden.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"hidden: expected a bf16, f16 or f32 [N, H] array (the softmax math "
+                         f"is fp32), got {hidden.dtype}{list(hidden.shape)}")
+    if kernel.ndim != 2 or kernel.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"kernel: expected a bf16, f16 or f32 [H, Vs] array, got "
+                         f"{kernel.dtype}{list(kernel.shape)}")
     if kernel.shape[0] != hidden.shape[1]:
         raise ValueError(f"kernel: expected [H={hidden.shape[1]}, Vs] to match hidden "
                          f"{list(hidden.shape)}, got {list(kernel.shape)}")
@@ -144,19 +185,16 @@ def _describe_call(hidden, kernel, targets, axis_name, vocab_size, mode, ignore_
     ring_size = lax.axis_size(axis_name)
     num_tokens, shard_width = hidden.shape[0], kernel.shape[1]
     padded_vocab = ring_size * shard_width
-    if vocab_size is None:
-        vocab_size = padded_vocab
-    if not isinstance(vocab_size, int) or not 1 <= vocab_size <= padded_vocab:
+    vocab_size = padded_vocab if vocab_size is None else _as_int("vocab_size", vocab_size)
+    if not 1 <= vocab_size <= padded_vocab:
         raise ValueError(f"vocab_size: expected an int in [1, P*Vs = {ring_size}*{shard_width} "
                          f"= {padded_vocab}], got {vocab_size!r}")
-    if vocab_block is not None and (not isinstance(vocab_block, int) or vocab_block < 1):
+    vocab_block = shard_width if vocab_block is None else _as_int("vocab_block", vocab_block)
+    if vocab_block < 1:
         raise ValueError(f"vocab_block: expected None or a positive int, got {vocab_block!r}")
-    if not isinstance(ignore_index, int):
-        raise ValueError(f"ignore_index: expected an int, got {ignore_index!r}")
-    block_width = shard_width if vocab_block is None else min(vocab_block, shard_width)
     move_weights = mode == "move_weights" or (mode == "auto" and num_tokens > shard_width)
-    return _Ring(axis_name, ring_size, vocab_size, shard_width, block_width, move_weights,
-                 ignore_index)
+    return _Ring(axis_name, ring_size, vocab_size, shard_width, min(vocab_block, shard_width),
+                 move_weights)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -191,7 +229,7 @@ def _drive_ring(ring: _Ring, step: Callable, rotating, local, travelling):
 
 
 def _shard_at_step(ring: _Ring, s):
-    """The vocab shard that rank r holds at step s of move_weights: it came s hops downstream."""
+    """The vocab shard that rank r holds at step s of move_weights: rank r + s's."""
     return (lax.axis_index(ring.axis_name) + s) % ring.ring_size
 
 
@@ -202,28 +240,33 @@ def _shard_at_step(ring: _Ring, s):
 def _strip_logits(ring: _Ring, hidden, kernel, shard, block):
     """fp32 logits of one strip [N, B], padding and already-seen columns at -inf.
 
-    Returns (logits, first local column of the strip, mask of columns that count). The last block
-    of a shard whose width is not a multiple of B starts early (so no copy of the kernel is
-    padded); the columns it shares with the previous block are masked out.
+    Returns (logits, first local column of the strip, mask of columns that count, the kernel
+    block used). The last block of a shard whose width is not a multiple of B starts early (so
+    no copy of the kernel is padded); the columns it shares with the previous block are masked.
     """
     start = jnp.minimum(block * ring.block_width, ring.shard_width - ring.block_width)
     kernel_block = lax.dynamic_slice_in_dim(kernel, start, ring.block_width, axis=1)
-    logits = jnp.dot(hidden, kernel_block, preferred_element_type=jnp.float32)
     column = start + lax.broadcasted_iota(jnp.int32, (1, ring.block_width), 1)
-    counts = (column >= block * ring.block_width) & (shard * ring.shard_width + column
-                                                     < ring.vocab_size)
+    in_vocab = shard * ring.shard_width + column < ring.vocab_size
+    counts = (column >= block * ring.block_width) & in_vocab
+    if ring.padded:  # padding columns may hold anything, NaN included: never read them
+        kernel_block = jnp.where(in_vocab, kernel_block, 0)
+    logits = jnp.dot(hidden, kernel_block, preferred_element_type=jnp.float32)
     # A [1, B] bias rather than an [N, B] select: under jax.checkpoint the replayed forward
     # saves what the mask is made of per block, and a row is all it should find.
-    return logits + jnp.where(counts, 0.0, -jnp.inf), start, counts
+    return logits + jnp.where(counts, 0.0, -jnp.inf), start, counts, kernel_block
 
 
 def _target_column(ring: _Ring, targets, shard, start, counts):
-    """Local strip column of each token's target, and whether the target lies in this strip."""
-    local = targets - shard * ring.shard_width - start
-    in_strip = (local >= 0) & (local < ring.block_width)
-    local = jnp.clip(local, 0, ring.block_width - 1)
-    in_strip &= jnp.take_along_axis(counts[0], local, axis=0)
-    return local, in_strip
+    """Strip column of each token's target, and whether the target lies in this strip.
+
+    ``targets`` are int32 codes: ids, or negative for ignored and invalid tokens (never in a
+    strip)."""
+    column = targets - shard * ring.shard_width - start
+    in_strip = (targets >= 0) & (column >= 0) & (column < ring.block_width)
+    column = jnp.clip(column, 0, ring.block_width - 1)
+    in_strip &= jnp.take_along_axis(counts[0], column, axis=0)
+    return column, in_strip
 
 
 def _fold_blocks(ring: _Ring, per_block: Callable, init):
@@ -237,7 +280,7 @@ def _shard_statistics(ring: _Ring, hidden, kernel, targets, shard):
     """(max, sum of exp, target logit) of the tokens over one vocab shard: [N] fp32 each."""
 
     def per_block(block, stats):
-        logits, start, counts = _strip_logits(ring, hidden, kernel, shard, block)
+        logits, start, counts, _ = _strip_logits(ring, hidden, kernel, shard, block)
         column, in_strip = _target_column(ring, targets, shard, start, counts)
         target_logit = jnp.take_along_axis(logits, column[:, None], axis=1)[:, 0]
         strip_max = jnp.max(logits, axis=1)
@@ -259,13 +302,12 @@ def _accumulate_shard_gradients(ring: _Ring, grads, hidden, kernel, targets, sha
 
     def per_block(block, grads):
         d_hidden, d_kernel = grads
-        logits, start, counts = _strip_logits(ring, hidden, kernel, shard, block)
+        logits, start, counts, kernel_block = _strip_logits(ring, hidden, kernel, shard, block)
         column, in_strip = _target_column(ring, targets, shard, start, counts)
         strip_column = lax.broadcasted_iota(jnp.int32, (1, ring.block_width), 1)
         onehot = (strip_column == column[:, None]) & in_strip[:, None]
         d_logits = ((jnp.exp(logits - lse[:, None]) - onehot) * scale[:, None]).astype(
             compute_dtype)
-        kernel_block = lax.dynamic_slice_in_dim(kernel, start, ring.block_width, axis=1)
         d_hidden += jnp.dot(d_logits, kernel_block.T, preferred_element_type=jnp.float32)
         d_block = jnp.dot(hidden.T, d_logits, preferred_element_type=jnp.float32)
         if ring.num_blocks == 1:
@@ -357,10 +399,8 @@ def _backward_grads(ring: _Ring, hidden, kernel, targets, lse, scale):
     return d_hidden.astype(hidden_dtype), d_kernel.astype(kernel_dtype)
 
 
-def _token_validity(ring: _Ring, targets):
-    ignored = targets == ring.ignore_index
-    in_vocab = (targets >= 0) & (targets < ring.vocab_size)
-    return ignored, in_vocab
+def _token_validity(codes):
+    return codes == IGNORED, codes >= 0
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -370,7 +410,7 @@ def _ring_cross_entropy(ring: _Ring, hidden, kernel, targets):
 
 def _ring_cross_entropy_fwd(ring: _Ring, hidden, kernel, targets):
     lse, target_logit = _forward_lse(ring, hidden, kernel, targets)
-    ignored, in_vocab = _token_validity(ring, targets)
+    ignored, in_vocab = _token_validity(targets)
     loss = jnp.where(ignored, 0.0, jnp.where(in_vocab, lse - target_logit, jnp.nan))
     return loss, (hidden, kernel, targets, lse)
 
@@ -381,9 +421,11 @@ def _ring_cross_entropy_bwd(ring: _Ring, residuals, d_loss):
     # alive instead of recomputing them (all N x V logits, when the ring is short enough to be
     # straight-line code). jax.checkpoint's prevent_cse does the same.
     hidden, kernel = lax.optimization_barrier((hidden, kernel))
-    ignored, in_vocab = _token_validity(ring, targets)
-    # An invalid target poisons its gradient as it poisons its loss.
-    scale = jnp.where(ignored, 0.0, jnp.where(in_vocab, d_loss.astype(jnp.float32), jnp.nan))
+    ignored, in_vocab = _token_validity(targets)
+    # An invalid target poisons its gradient as it poisons its loss, unless the caller masked
+    # that loss out (a zero cotangent), as the materialized loss would allow.
+    d_loss = d_loss.astype(jnp.float32)
+    scale = jnp.where(ignored, 0.0, jnp.where(in_vocab | (d_loss == 0), d_loss, jnp.nan))
     d_hidden, d_kernel = _backward_grads(ring, hidden, kernel, targets, lse, scale)
     return d_hidden, d_kernel, None
 
