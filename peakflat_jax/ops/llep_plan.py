@@ -41,10 +41,14 @@ def plain_assignment(loads: jax.Array, num_devices: int) -> jax.Array:
 
 def llep_assignment(loads: jax.Array, num_devices: int, *, threshold: float = 1.3,
                     capacity: float = 1.0, min_tokens: int = 1024,
-                    max_foreign: int = 2) -> jax.Array:
-    """The ``[E, D]`` int32 LLEP plan for per-expert token-slot ``loads [E]`` (see module doc)."""
+                    max_foreign: int | None = None) -> jax.Array:
+    """The ``[E, D]`` int32 LLEP plan for per-expert token-slot ``loads [E]`` (see module doc).
+
+    ``max_foreign`` defaults to E_l: a device may host as many foreign experts as it owns.
+    """
     num_experts = loads.shape[0]
     experts_per_device = num_experts // num_devices
+    max_foreign = experts_per_device if max_foreign is None else max_foreign
     loads = loads.astype(jnp.int32)
     owner = jnp.arange(num_experts) // experts_per_device
     devices = jnp.arange(num_devices)

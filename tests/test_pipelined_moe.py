@@ -1,0 +1,199 @@
+"""PipelinedLLEP: values and gradients against the float64 dense reference, chunking, memory,
+bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from jax.sharding import PartitionSpec as P
+
+import peakflat_jax as pf
+from peakflat_jax import memory, reference, skew
+from peakflat_jax.ops.llep_plan import llep_assignment
+
+TOL = 1e-4  # fp32, complex: dispatch, grouped matmuls, combine; values and gradients
+ARGNAMES = ("x", "gates", "w_gate", "w_up", "w_down")
+
+
+def relative_error(actual, expected) -> float:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+
+
+def moe_fn(mesh, num_experts, **kwargs):
+    spec = P("expert")
+    return jax.shard_map(
+        lambda x, ids, g, wg, wu, wd: pf.pipelined_moe(
+            x, ids, g, wg, wu, wd, axis_name="expert", num_experts=num_experts, **kwargs),
+        mesh=mesh, in_specs=(spec,) * 6, out_specs=spec)
+
+
+def draw_case(rng, *, devices, experts, tokens, top_k, profile, hidden=8, ffn=6):
+    ids = np.concatenate([skew.route(tokens, top_k, experts, profile)] * devices)
+    arrays = dict(
+        x=rng.standard_normal((devices * tokens, hidden)),
+        gates=rng.random((devices * tokens, top_k)),
+        w_gate=rng.standard_normal((experts, hidden, ffn)) / np.sqrt(hidden),
+        w_up=rng.standard_normal((experts, hidden, ffn)) / np.sqrt(hidden),
+        w_down=rng.standard_normal((experts, ffn, hidden)) / np.sqrt(ffn))
+    return jnp.asarray(ids), {k: jnp.asarray(v, jnp.float32) for k, v in arrays.items()}
+
+
+def value_and_grads(fn, ids, arrays, cotangent):
+    def weighted(*args):
+        return jnp.vdot(fn(args[0], ids, *args[1:]), cotangent)
+
+    args = [arrays[k] for k in ARGNAMES]
+    return fn(args[0], ids, *args[1:]), jax.grad(weighted, argnums=tuple(range(5)))(*args)
+
+
+def assert_matches_reference(fn, ids, arrays, rng):
+    cotangent = jnp.asarray(rng.standard_normal(arrays["x"].shape), jnp.float32)
+    y, grads = jax.jit(lambda a: value_and_grads(fn, ids, a, cotangent))(arrays)
+    with jax.enable_x64(True):
+        arrays64 = {k: jnp.asarray(np.asarray(v, np.float64)) for k, v in arrays.items()}
+        ref_y, ref_grads = value_and_grads(reference.mixture_of_experts, ids, arrays64,
+                                           jnp.asarray(cotangent, jnp.float64))
+    assert y.dtype == arrays["x"].dtype
+    assert relative_error(y, ref_y) < TOL
+    for name, grad, ref in zip(ARGNAMES, grads, ref_grads):
+        assert relative_error(grad, ref) < TOL, name
+
+
+CASES = [  # devices, experts, tokens per rank, top-k, profile
+    (2, 4, 16, 2, skew.SkewProfile()),
+    (4, 8, 24, 3, skew.SkewProfile(0.8, 2)),       # h < k: a token hits an expert twice
+    (8, 16, 20, 4, skew.SkewProfile(0.95, 3)),
+    (8, 16, 21, 2, skew.SkewProfile(0.5, 5)),      # N not a multiple of the chunk count
+]
+# Each case with a few (token_budget, membership, balance): one chunk and several, both
+# memberships, LLEP on and off, without compiling the whole product.
+SETTINGS = [
+    (0, None, "strided", "llep"), (0, 5, "strided", "none"),
+    (1, 5, "strided", "llep"), (1, 6, "contiguous", "llep"), (1, None, "strided", "none"),
+    (2, 5, "strided", "llep"), (2, 6, "contiguous", "none"),
+    (3, 6, "contiguous", "llep"), (3, 5, "strided", "llep"),
+]
+
+
+@pytest.mark.parametrize("case, token_budget, membership, balance", SETTINGS)
+def test_matches_reference(rng, case, token_budget, membership, balance):
+    devices, experts, tokens, top_k, profile = CASES[case]
+    mesh = make_mesh(("expert", devices))
+    ids, arrays = draw_case(rng, devices=devices, experts=experts, tokens=tokens, top_k=top_k,
+                            profile=profile)
+    fn = moe_fn(mesh, experts, token_budget=token_budget, membership=membership,
+                balance=balance, llep_min_tokens=2)
+    assert_matches_reference(fn, ids, arrays, rng)
+
+
+def test_skewed_case_really_spills(rng):
+    """The LLEP cases above are only worth something if weights actually migrate."""
+    devices, experts, tokens, top_k, profile = CASES[2]
+    ids = np.concatenate([skew.route(tokens, top_k, experts, profile)] * devices)
+    loads = np.bincount(ids.reshape(-1), minlength=experts)
+    assignment = np.asarray(llep_assignment(jnp.asarray(loads), devices, min_tokens=2))
+    owner = np.arange(experts) // (experts // devices)
+    assert (assignment[np.arange(experts), owner] < loads).any()
+
+
+def test_chunking_changes_nothing(rng):
+    mesh = make_mesh(("expert", 4))
+    ids, arrays = draw_case(rng, devices=4, experts=8, tokens=30, top_k=3,
+                            profile=skew.SkewProfile(0.8, 2))
+    args = [arrays[k] for k in ARGNAMES]
+    unchunked = jax.jit(moe_fn(mesh, 8, llep_min_tokens=2))(args[0], ids, *args[1:])
+    for budget, membership in [(4, "strided"), (7, "contiguous"), (30, "strided")]:
+        chunked = jax.jit(moe_fn(mesh, 8, token_budget=budget, membership=membership,
+                                 llep_min_tokens=2))(args[0], ids, *args[1:])
+        assert relative_error(chunked, unchunked) < 1e-5
+
+
+def test_out_of_range_id_gives_nan_never_a_dropped_token(rng):
+    mesh = make_mesh(("expert", 2))
+    ids, arrays = draw_case(rng, devices=2, experts=4, tokens=8, top_k=2,
+                            profile=skew.SkewProfile())
+    ids = ids.at[3, 1].set(4).at[9, 0].set(-1)
+    args = [arrays[k] for k in ARGNAMES]
+    y = np.asarray(jax.jit(moe_fn(mesh, 4, token_budget=3))(args[0], ids, *args[1:]))
+    assert np.isnan(y[[3, 9]]).all() and np.isfinite(np.delete(y, [3, 9], axis=0)).all()
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+
+def compiled_temp(devices, experts, tokens, top_k, **kwargs) -> int:
+    mesh = make_mesh(("expert", devices))
+    hidden, ffn, local = 64, 32, experts // devices
+    shape = lambda *s, dtype=jnp.float32: jax.ShapeDtypeStruct(s, dtype)  # noqa: E731
+    args = (shape(devices * tokens, hidden), shape(devices * tokens, top_k, dtype=jnp.int32),
+            shape(devices * tokens, top_k), shape(experts, hidden, ffn),
+            shape(experts, hidden, ffn), shape(experts, ffn, hidden))
+    fn = moe_fn(mesh, experts, **kwargs)
+
+    def loss_and_grads(x, ids, g, wg, wu, wd):
+        return jax.value_and_grad(lambda *a: fn(a[0], ids, *a[1:]).sum(),
+                                  argnums=(0, 1, 2, 3, 4))(x, g, wg, wu, wd)
+
+    compiled = jax.jit(loss_and_grads).lower(*args).compile()
+    return memory.compiled_memory(compiled).temp, compiled
+
+
+def test_token_budget_bounds_growth_of_temp_with_tokens():
+    """fwd+bwd temp bytes grow with tokens per rank at most a quarter as fast with a fixed
+    token_budget as without one."""
+    small, large = 256, 1024
+    growth = {}
+    for label, kwargs in [("budget", dict(token_budget=64, max_chunks=64)), ("none", {})]:
+        temps = [compiled_temp(4, 8, n, 4, **kwargs)[0] for n in (small, large)]
+        growth[label] = temps[1] - temps[0]
+    assert growth["none"] > 0
+    assert growth["budget"] <= growth["none"] / 4, growth
+
+
+def test_bound_holds_inside_an_enclosing_checkpoint():
+    """A checkpointed decoder layer replays the MoE in backward: still one chunk at a time, so no
+    array as large as the whole rank's dispatch exists."""
+    devices, experts, tokens, top_k = 4, 8, 1024, 4
+    mesh = make_mesh(("expert", devices))
+    hidden, ffn = 64, 32
+    fn = jax.checkpoint(moe_fn(mesh, experts, token_budget=64, max_chunks=64))
+    shape = lambda *s, dtype=jnp.float32: jax.ShapeDtypeStruct(s, dtype)  # noqa: E731
+    args = (shape(devices * tokens, hidden), shape(devices * tokens, top_k, dtype=jnp.int32),
+            shape(devices * tokens, top_k), shape(experts, hidden, ffn),
+            shape(experts, hidden, ffn), shape(experts, ffn, hidden))
+
+    def loss_and_grads(x, ids, g, wg, wu, wd):
+        return jax.grad(lambda *a: fn(a[0], ids, *a[1:]).sum(), argnums=(0, 2))(x, g, wg, wu, wd)
+
+    compiled = jax.jit(loss_and_grads).lower(*args).compile()
+    # One rank's whole dispatch: D buckets of all N*k slots of H. A chunk's is N/c = 16x smaller.
+    memory.assert_no_array_at_least(compiled, devices * tokens * top_k * hidden // 2,
+                                    what="dispatch buffer")
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("change, argument", [
+    (dict(num_experts=5), "num_experts"),
+    (dict(w_gate_shape=(4, 7, 6)), "w_gate"),
+    (dict(w_down_shape=(2, 8, 6)), "w_down"),
+    (dict(ids_dtype=np.float32), "expert_ids"),
+    (dict(gates_shape=(16, 3)), "gates"),
+    (dict(kwargs=dict(token_budget=0)), "token_budget"),
+    (dict(kwargs=dict(membership="random")), "membership"),
+    (dict(kwargs=dict(balance="greedy")), "balance"),
+    (dict(kwargs=dict(max_foreign_experts=-1)), "max_foreign_experts"),
+])
+def test_bad_input_names_the_argument(change, argument):
+    mesh = make_mesh(("expert", 2))
+    x = np.zeros((16, 8), np.float32)
+    ids = np.zeros((16, 2), change.get("ids_dtype", np.int32))
+    gates = np.zeros(change.get("gates_shape", (16, 2)), np.float32)
+    w_gate = np.zeros(change.get("w_gate_shape", (4, 8, 6)), np.float32)
+    w_down = np.zeros(change.get("w_down_shape", (4, 6, 8)), np.float32)
+    fn = moe_fn(mesh, change.get("num_experts", 4), **change.get("kwargs", {}))
+    with pytest.raises(ValueError, match=argument):
+        jax.jit(fn).lower(x, ids, gates, w_gate, np.zeros((4, 8, 6), np.float32), w_down)
