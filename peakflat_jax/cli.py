@@ -11,7 +11,8 @@ import json
 import os
 import sys
 
-BENCHMARKS = {"ring_dtp": "peakflat_jax.bench.ring_dtp"}
+BENCHMARKS = {"ring_dtp": "peakflat_jax.bench.ring_dtp",
+              "moe_dispatch": "peakflat_jax.bench.moe_dispatch"}
 
 
 def _prepare_environment() -> None:
