@@ -4,7 +4,8 @@ token budget, whatever the routing.
 Per rank (a shard_map over the expert-parallel axis of D devices, each owning E_l experts):
 
 1. **Load.** Count token-slots per expert (a token routed to k experts counts k times),
-   all-gather the counts over the group.
+   all-gather the counts over the group (the sum is the plan's input; the per-source rows give
+   each slot its place in its expert's global order).
 2. **Plan.** ``llep_plan.llep_assignment`` (or plain expert parallelism): ``[E, D]`` slots of
    each expert per device, the same on every rank. Each slot's destination follows from its
    place in the global order (source rank, then slot order) of its expert's slots.
@@ -19,17 +20,20 @@ Per rank (a shard_map over the expert-parallel axis of D devices, each owning E_
    the local and foreign experts, all-to-all back, gate-weighted sum over k.
 
 Memory bound (per device, besides inputs, outputs and their gradients; b = bytes of x's dtype,
-G = E_l + max_foreign_experts groups):
+G = E_l + max_foreign_experts groups, M = D * k * c rows that reach a device per chunk):
 
-    dispatch:   4 * D * k * c * H * b       send and receive buckets, there and back
-    grouped:    3 * D * k * c * F * 4       gate and up projections, their product (fp32)
-    migrated:   3 * max_foreign_experts * H * F * b   foreign expert weights (and their grads)
+    dispatch:   4 * M * H * b          send and receive buckets, there and back
+    expert FFN: 3 * M * F * 4          gate and up projections (fp32), their product
+    weights:    2 * 3 * G * H * F * b  local + foreign experts side by side, and their gradients
+    tokens:     3 * N * H * b          chunked copies of x and y, the output gather
     routing:    O(N * k) int32 metadata
 
-It does not depend on the routing: skew makes the plan move more weights, never a buffer larger.
-The paper's receive-side bound is 2 * D * k * c * H * b; the padded all-to-all used here (the
-only one XLA:CPU has) doubles it with send buckets of the same size. No token-slot is dropped:
-an expert id outside [0, E) makes its token's output NaN.
+Every term is fixed at launch: skew makes the plan move more weights, never a buffer larger. The
+paper's receive-side bound is 2 * M * H * b; the padded all-to-all used here (the only one
+XLA:CPU has) doubles it with send buckets of the same size. The portable grouped matmul
+(``lax.ragged_dot``) adds XLA's dense expansion, about 5 * G * M * max(H, F) * 4 per chunk,
+which a grouped-matmul kernel does not have. No token-slot is dropped: an expert id outside
+[0, E) makes its token's output NaN.
 
 Legend: N tokens on this rank, H hidden, F expert FFN width, k top-k, E experts, D devices,
 E_l = E / D, K chunks, c tokens per chunk, S = c * k slots per chunk per source.
@@ -47,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from peakflat_jax._validate import as_int, as_positive_float
 from peakflat_jax.ops import expert_exchange, llep_plan
 from peakflat_jax.ops._shard import vary_alike
 from peakflat_jax.ops.grouped_matmul import grouped_matmul
@@ -127,8 +132,9 @@ def _describe_call(x, expert_ids, gates, w_gate, w_up, w_down, axis_name, num_ex
                    token_budget, max_chunks, membership, balance, llep_threshold, llep_capacity,
                    llep_min_tokens, max_foreign_experts) -> _Layer:
     """Checks the arguments at trace time and fixes the static plan of the layer."""
-    if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"x: expected a floating [N, H] array, got {x.dtype}{list(x.shape)}")
+    if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating) or x.shape[0] < 1:
+        raise ValueError(f"x: expected a floating [N, H] array with N >= 1, got "
+                         f"{x.dtype}{list(x.shape)}")
     num_tokens, hidden = x.shape
     if expert_ids.ndim != 2 or expert_ids.shape[0] != num_tokens or not jnp.issubdtype(
             expert_ids.dtype, jnp.integer):
@@ -138,7 +144,8 @@ def _describe_call(x, expert_ids, gates, w_gate, w_up, w_down, axis_name, num_ex
         raise ValueError(f"gates: expected a floating array shaped like expert_ids "
                          f"{list(expert_ids.shape)}, got {gates.dtype}{list(gates.shape)}")
     num_devices = lax.axis_size(axis_name)
-    if not isinstance(num_experts, int) or num_experts < 1 or num_experts % num_devices:
+    num_experts = as_int("num_experts", num_experts)
+    if num_experts < 1 or num_experts % num_devices:
         raise ValueError(f"num_experts: expected a positive multiple of the axis size "
                          f"{num_devices}, got {num_experts!r}")
     local = num_experts // num_devices
@@ -151,23 +158,25 @@ def _describe_call(x, expert_ids, gates, w_gate, w_up, w_down, axis_name, num_ex
     if w_down.shape != (local, w_gate.shape[2], hidden):
         raise ValueError(f"w_down: expected [E_l={local}, F={w_gate.shape[2]}, H={hidden}], got "
                          f"{list(w_down.shape)}")
-    if token_budget is not None and (not isinstance(token_budget, int) or token_budget < 1):
+    token_budget = None if token_budget is None else as_int("token_budget", token_budget)
+    if token_budget is not None and token_budget < 1:
         raise ValueError(f"token_budget: expected None or a positive int, got {token_budget!r}")
-    if not isinstance(max_chunks, int) or max_chunks < 1:
+    max_chunks = as_int("max_chunks", max_chunks)
+    if max_chunks < 1:
         raise ValueError(f"max_chunks: expected a positive int, got {max_chunks!r}")
     if membership not in MEMBERSHIPS:
         raise ValueError(f"membership: expected one of {MEMBERSHIPS}, got {membership!r}")
     if balance not in BALANCES:
         raise ValueError(f"balance: expected one of {BALANCES}, got {balance!r}")
-    if not llep_threshold > 0 or not llep_capacity > 0:
-        raise ValueError(f"llep_threshold, llep_capacity: expected positive numbers, got "
-                         f"{llep_threshold!r}, {llep_capacity!r}")
-    if not isinstance(llep_min_tokens, int) or llep_min_tokens < 1:
+    llep_threshold = as_positive_float("llep_threshold", llep_threshold)
+    llep_capacity = as_positive_float("llep_capacity", llep_capacity)
+    llep_min_tokens = as_int("llep_min_tokens", llep_min_tokens)
+    if llep_min_tokens < 1:
         raise ValueError(f"llep_min_tokens: expected a positive int, got {llep_min_tokens!r}")
     if max_foreign_experts is None:
         max_foreign_experts = local if balance == "llep" and num_devices > 1 else 0
-    if not isinstance(max_foreign_experts, int) or not (
-            0 <= max_foreign_experts <= num_experts - local):
+    max_foreign_experts = as_int("max_foreign_experts", max_foreign_experts)
+    if not 0 <= max_foreign_experts <= num_experts - local:
         raise ValueError(f"max_foreign_experts: expected an int in [0, E - E_l = "
                          f"{num_experts - local}], got {max_foreign_experts!r}")
     if balance == "none":
@@ -175,8 +184,8 @@ def _describe_call(x, expert_ids, gates, w_gate, w_up, w_down, axis_name, num_ex
     num_chunks = 1 if token_budget is None else min(math.ceil(num_tokens / token_budget),
                                                     max_chunks)
     return _Layer(axis_name, num_devices, num_experts, num_tokens, expert_ids.shape[1],
-                  max(num_chunks, 1), membership, balance, float(llep_threshold),
-                  float(llep_capacity), llep_min_tokens, max_foreign_experts)
+                  num_chunks, membership, balance, llep_threshold, llep_capacity,
+                  llep_min_tokens, max_foreign_experts)
 
 
 # ----------------------------------------------------------------------------------------------

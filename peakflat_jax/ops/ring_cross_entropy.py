@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +64,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from peakflat_jax._validate import as_int
 from peakflat_jax.ops._shard import vary_alike
 
 MODES = ("auto", "move_weights", "move_activations")
@@ -129,7 +129,7 @@ def ring_cross_entropy(
       (never a finite wrong number). Differentiable w.r.t. ``hidden`` and ``kernel``.
     """
     ring = _describe_call(hidden, kernel, targets, axis_name, vocab_size, mode, vocab_block)
-    codes = _target_codes(targets, ring.vocab_size, _as_int("ignore_index", ignore_index))
+    codes = _target_codes(targets, ring.vocab_size, as_int("ignore_index", ignore_index))
     hidden, kernel, codes = vary_alike(hidden, kernel, codes)
     return _ring_cross_entropy(ring, hidden, kernel, codes)
 
@@ -151,16 +151,6 @@ def _target_codes(targets, vocab_size: int, ignore_index: int):
         in_vocab &= targets < vocab_size
     ids = jnp.where(in_vocab, targets, 0).astype(jnp.int32)
     return jnp.where(ignored, IGNORED, jnp.where(in_vocab, ids, INVALID))
-
-
-def _as_int(name: str, value) -> int:
-    """An int from an int-like (numpy ints too); bools and floats are errors, not 1 or 0."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name}: expected an int, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name}: expected an int, got {value!r}") from None
 
 
 def _describe_call(hidden, kernel, targets, axis_name, vocab_size, mode, vocab_block) -> _Ring:
@@ -185,11 +175,11 @@ def _describe_call(hidden, kernel, targets, axis_name, vocab_size, mode, vocab_b
     ring_size = lax.axis_size(axis_name)
     num_tokens, shard_width = hidden.shape[0], kernel.shape[1]
     padded_vocab = ring_size * shard_width
-    vocab_size = padded_vocab if vocab_size is None else _as_int("vocab_size", vocab_size)
+    vocab_size = padded_vocab if vocab_size is None else as_int("vocab_size", vocab_size)
     if not 1 <= vocab_size <= padded_vocab:
         raise ValueError(f"vocab_size: expected an int in [1, P*Vs = {ring_size}*{shard_width} "
                          f"= {padded_vocab}], got {vocab_size!r}")
-    vocab_block = shard_width if vocab_block is None else _as_int("vocab_block", vocab_block)
+    vocab_block = shard_width if vocab_block is None else as_int("vocab_block", vocab_block)
     if vocab_block < 1:
         raise ValueError(f"vocab_block: expected None or a positive int, got {vocab_block!r}")
     move_weights = mode == "move_weights" or (mode == "auto" and num_tokens > shard_width)
