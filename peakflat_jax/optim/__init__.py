@@ -1,0 +1,1 @@
+"""Optimizers whose state lives off the device."""

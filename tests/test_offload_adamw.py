@@ -1,0 +1,144 @@
+"""OffloadStreamAdamW: optax.adamw's numbers, host-resident state, checkpoints, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import peakflat_jax as pf
+
+
+def make_params(rng, dtype=jnp.bfloat16):
+    return {"embed": jnp.asarray(rng.standard_normal((37, 16)), dtype),
+            "layers": [{"w": jnp.asarray(rng.standard_normal((16, 24)), dtype),
+                        "b": jnp.asarray(rng.standard_normal((24,)), jnp.float32)}
+                       for _ in range(2)],
+            "scale": jnp.asarray(rng.standard_normal(()), jnp.float32)}
+
+
+def random_grads(rng, params):
+    return jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), p.dtype), params)
+
+
+def assert_tree_close(actual, expected, rtol):
+    """Per leaf ||a - e|| / ||e|| <= rtol (equal up to float reassociation); rtol=0: bitwise."""
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        if rtol == 0:
+            np.testing.assert_array_equal(a, e)
+        else:
+            assert np.linalg.norm(a - e) <= rtol * np.linalg.norm(e)
+
+
+@pytest.mark.parametrize("bucket_params, slots", [(10_000, 2), (100, 1), (7, 2), (250, 3)])
+@pytest.mark.parametrize("schedule", [False, True])
+def test_matches_optax_adamw(rng, bucket_params, slots, schedule):
+    params = make_params(rng)
+    learning_rate = (optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 6) if schedule
+                     else 3e-3)
+    hyper = dict(b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1)
+    opt = pf.offload_stream_adamw(learning_rate, bucket_params=bucket_params, slots=slots,
+                                  **hyper)
+    state = opt.init(params)
+    reference = optax.adamw(learning_rate, mu_dtype=jnp.float32, **hyper)
+    master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    reference_state = reference.init(master)
+    reference_step = jax.jit(lambda g, s, p: reference.update(g, s, p))
+    for _ in range(5):
+        grads = random_grads(rng, params)
+        params, state = opt.step(grads, state)
+        updates, reference_state = reference_step(
+            jax.tree.map(lambda g: g.astype(jnp.float32), grads), reference_state, master)
+        master = optax.apply_updates(master, updates)
+        ours = opt.master_params(state)
+        assert_tree_close(ours, master, rtol=1e-6)
+        # Working params: exactly our master in the params' dtypes.
+        assert jax.tree.map(lambda p: p.dtype, params) == jax.tree.map(
+            lambda p: p.dtype, make_params(rng))
+        assert_tree_close(params, jax.tree.map(lambda m, p: m.astype(p.dtype), ours, params),
+                          rtol=0)
+
+
+def test_clipping_matches_optax_chain(rng):
+    params = make_params(rng, jnp.float32)
+    opt = pf.offload_stream_adamw(1e-2, bucket_params=50, max_grad_norm=0.5)
+    state = opt.init(params)
+    reference = optax.chain(optax.clip_by_global_norm(0.5),
+                            optax.adamw(1e-2, weight_decay=0.0, mu_dtype=jnp.float32))
+    reference_state = reference.init(params)
+    master = params
+    for _ in range(3):
+        grads = random_grads(rng, params)
+        _, state = opt.step(grads, state)
+        updates, reference_state = reference.update(grads, reference_state, master)
+        master = optax.apply_updates(master, updates)
+        assert_tree_close(opt.master_params(state), master, rtol=1e-6)
+
+
+def test_state_lives_in_host_memory(rng):
+    params = make_params(rng)
+    opt = pf.offload_stream_adamw(1e-3, bucket_params=300)
+    state = opt.init(params)
+    params, state = opt.step(random_grads(rng, params), state)
+    total = sum(p.size for p in jax.tree.leaves(params))
+    assert len(state.master) == -(-total // 300)  # buckets split leaves
+    for array in (*state.master, *state.mu, *state.nu):
+        assert array.sharding.memory_kind == "pinned_host" and array.dtype == jnp.float32
+    for leaf in jax.tree.leaves(params):
+        assert leaf.sharding.memory_kind == "device"
+
+
+def test_checkpoint_round_trip_continues_bit_for_bit(rng, tmp_path):
+    params = make_params(rng)
+    schedule = optax.linear_schedule(1e-2, 1e-3, 10)
+    grads = [random_grads(rng, params) for _ in range(4)]
+
+    def run(steps, opt, state, params):
+        for g in steps:
+            params, state = opt.step(g, state)
+        return params, state
+
+    opt = pf.offload_stream_adamw(schedule, weight_decay=0.01, bucket_params=100)
+    straight_params, straight = run(grads, opt, opt.init(params), params)
+
+    opt = pf.offload_stream_adamw(schedule, weight_decay=0.01, bucket_params=100)
+    half_params, half = run(grads[:2], opt, opt.init(params), params)
+    opt.save(tmp_path / "ckpt", half)
+    fresh = pf.offload_stream_adamw(schedule, weight_decay=0.01, bucket_params=100)
+    fresh.init(params)  # the layout comes from the params
+    restored = fresh.restore(tmp_path / "ckpt")
+    assert all(a.sharding.memory_kind == "pinned_host" for a in restored.master)
+    resumed_params, resumed = run(grads[2:], fresh, restored, half_params)
+    assert_tree_close(fresh.master_params(resumed), opt.master_params(straight), rtol=0)
+    assert_tree_close(resumed_params, straight_params, rtol=0)
+    assert int(resumed.count) == 4
+
+
+@pytest.mark.parametrize("argument, kwargs", [
+    ("learning_rate", dict(learning_rate=-1.0)),
+    ("b1", dict(b1=1.0)),
+    ("b2", dict(b2=-0.1)),
+    ("eps", dict(eps=0.0)),
+    ("weight_decay", dict(weight_decay=-1e-3)),
+    ("bucket_params", dict(bucket_params=0)),
+    ("slots", dict(slots=0)),
+    ("slots", dict(slots=True)),
+    ("max_grad_norm", dict(max_grad_norm=0.0)),
+])
+def test_bad_hyperparameters_name_the_argument(argument, kwargs):
+    arguments = {"learning_rate": 1e-3, **kwargs}
+    with pytest.raises(ValueError, match=argument):
+        pf.offload_stream_adamw(**arguments)
+
+
+def test_grads_that_differ_from_the_params(rng):
+    params = make_params(rng)
+    opt = pf.offload_stream_adamw(1e-3)
+    state = opt.init(params)
+    grads = random_grads(rng, params)
+    with pytest.raises(ValueError, match="grads"):
+        opt.step({**grads, "extra": jnp.zeros(3)}, state)
+    wrong_shape = {**grads, "embed": jnp.zeros((36, 16), jnp.bfloat16)}
+    with pytest.raises(ValueError, match="grads"):
+        opt.step(wrong_shape, state)
