@@ -12,7 +12,8 @@ import os
 import sys
 
 BENCHMARKS = {"ring_dtp": "peakflat_jax.bench.ring_dtp",
-              "moe_dispatch": "peakflat_jax.bench.moe_dispatch"}
+              "moe_dispatch": "peakflat_jax.bench.moe_dispatch",
+              "offload_adamw": "peakflat_jax.bench.offload_adamw"}
 
 
 def _prepare_environment() -> None:

@@ -1,0 +1,160 @@
+"""Benchmark of OffloadStreamAdamW: step time against AdamW on the host CPU, AdamW on device with
+the whole state moved each step, and the link floor; device peak (staging), each case in a fresh
+process.
+
+    peakflat bench offload_adamw --preset gpu   # one H200, 2e9 params (bf16 on device)
+    peakflat bench offload_adamw --preset cpu   # a small size, to check the harness
+
+Methods:
+- ``host_cpu``: optax.adamw on the jax CPU backend, state and params there (all cores).
+- ``whole_state``: optax.adamw on the device, the fp32 state moved host -> device -> host whole
+  inside one jitted step.
+- ``stream``: pf.offload_stream_adamw over (bucket_params, slots).
+- ``link``: the floor: 12 bytes/param each way, timed as one in-jit host -> device and one
+  device -> host copy of that many bytes.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import SingleDeviceSharding
+
+from peakflat_jax.bench import harness
+from peakflat_jax.optim.offload_adamw import offload_stream_adamw
+
+
+def presets() -> dict[str, list[dict]]:
+    def cases(num_params, leaf_params, buckets, slots, repeats):
+        common = dict(num_params=num_params, leaf_params=leaf_params, repeats=repeats)
+        out = [dict(common, method="link"), dict(common, method="whole_state"),
+               dict(common, method="host_cpu", repeats=3)]
+        out += [dict(common, method="stream", bucket_params=b, slots=s)
+                for b in buckets for s in slots]
+        return out
+
+    return {"gpu": cases(2_000_000_000, 100_000_000, (100_000_000, 250_000_000), (1, 2, 3), 5),
+            "cpu": cases(2_000_000, 300_000, (500_000,), (1, 2), 3)}
+
+
+def _params(case, device, dtype):
+    num_leaves = case["num_params"] // case["leaf_params"]
+
+    def draw(key):
+        keys = jax.random.split(key, num_leaves)
+        return [jax.random.normal(k, (case["leaf_params"],), dtype) * 0.02 for k in keys]
+
+    return jax.jit(draw, out_shardings=SingleDeviceSharding(device))(jax.random.key(0))
+
+
+def run_case(case: dict) -> dict:
+    device = jax.devices()[0]
+    method = case["method"]
+    if method == "host_cpu":
+        device = jax.devices("cpu")[0]
+        params = _params(case, device, jnp.float32)
+        opt = optax.adamw(1e-3, mu_dtype=jnp.float32)
+        state = opt.init(params)
+        grads = _params(case, device, jnp.float32)
+        step = jax.jit(lambda g, s, p: _apply(opt, g, s, p), donate_argnums=(1, 2))
+        args = [grads, state, params]
+    elif method == "whole_state":
+        params = _params(case, device, jnp.bfloat16)
+        grads = _params(case, device, jnp.bfloat16)
+        host = SingleDeviceSharding(device, memory_kind="pinned_host")
+        opt = optax.adamw(1e-3, mu_dtype=jnp.float32)
+        master = jax.jit(lambda p: [x.astype(jnp.float32) for x in p], out_shardings=host)(params)
+        state = jax.jit(opt.init, out_shardings=host)(master)
+
+        def whole(grads, state, master):
+            state, master = jax.device_put((state, master), jax.memory.Space.Device)
+            grads = [g.astype(jnp.float32) for g in grads]
+            updates, state = opt.update(grads, state, master)
+            master = optax.apply_updates(master, updates)
+            working = [m.astype(jnp.bfloat16) for m in master]
+            return working, jax.device_put((state, master), jax.memory.Space.Host)
+
+        device_sharding = SingleDeviceSharding(device)
+        jitted = jax.jit(whole, donate_argnums=(1, 2),
+                         out_shardings=(device_sharding, (host, host)))
+
+        def step(grads, state, master):
+            working, (state, master) = jitted(grads, state, master)
+            return working, state, master
+
+        args = [grads, state, master]
+    elif method == "stream":
+        params = _params(case, device, jnp.bfloat16)
+        grads = _params(case, device, jnp.bfloat16)
+        opt = offload_stream_adamw(1e-3, bucket_params=case["bucket_params"],
+                                   slots=case["slots"])
+        state = opt.init(params)
+
+        def step(grads, state, _):
+            params, state = opt.step(grads, state)
+            return params, state, None
+
+        args = [grads, state, None]
+    elif method == "link":
+        host = SingleDeviceSharding(device, memory_kind="pinned_host")
+        num_bytes = 12 * case["num_params"]
+        chunk = min(num_bytes // 4, 1 << 28)  # fp32 elements per array
+        arrays = jax.jit(lambda: [jnp.ones((chunk,), jnp.float32)
+                                  for _ in range(num_bytes // 4 // chunk)],
+                         out_shardings=host)()
+        to_device = jax.jit(lambda a: jax.device_put(a, jax.memory.Space.Device))
+        on_device = to_device(arrays)
+        to_host = jax.jit(lambda a: jax.device_put(a, jax.memory.Space.Host),
+                          out_shardings=host)
+        down = harness.time_call(to_device, arrays, warmup=1, repeats=case["repeats"])
+        del on_device
+        up = harness.time_call(lambda: to_host(to_device(arrays)), warmup=1,
+                               repeats=case["repeats"])
+        return {"host_to_device_s": down["median_s"], "round_trip_s": up["median_s"],
+                "time_s": up["median_s"], "peak_bytes": harness.peak_bytes_over([device])}
+    else:
+        raise ValueError(f"method: unknown {method!r}")
+
+    def run():
+        nonlocal args
+        out = step(*args)
+        args = [args[0], out[1], out[2] if method != "host_cpu" else out[0]]
+        return out
+
+    timing = harness.time_call(run, warmup=1, repeats=case["repeats"])
+    return {"time_s": timing["median_s"], "time_min_s": timing["min_s"],
+            "time_max_s": timing["max_s"], "repeats": timing["repeats"],
+            "peak_bytes": harness.peak_bytes_over([device]) if device.platform != "cpu"
+            else None}
+
+
+def _apply(opt, grads, state, params):
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+
+def summarize(record: dict) -> str:
+    cases = record["cases"]
+    host = next((c for c in cases if c["method"] == "host_cpu" and "error" not in c), None)
+    link = next((c for c in cases if c["method"] == "link" and "error" not in c), None)
+    rows = []
+    for case in cases:
+        label = case["method"] + (f" beta={case['bucket_params']:.0e} slots={case['slots']}"
+                                  if case["method"] == "stream" else "")
+        if "error" in case:
+            rows.append([label, "OOM" if case.get("oom") else "error", "-", "-", "-"])
+            continue
+        speedup = f"{host['time_s'] / case['time_s']:.2f}x" if host else "-"
+        over_floor = f"{case['time_s'] / link['time_s']:.2f}x" if link else "-"
+        rows.append([label, f"{case['time_s'] * 1e3:.1f} ms", speedup, over_floor,
+                     harness.format_bytes(case.get("peak_bytes"))])
+    headers = ["method", "step", "vs host CPU", "vs link floor", "device peak"]
+    return (f"{record['benchmark']} on {record['device']}, {record['date']}, "
+            f"{cases[0]['num_params']:.1e} params\n" + harness.format_table(headers, rows))
+
+
+if __name__ == "__main__" and "--case" in sys.argv:
+    harness.case_main(run_case)
