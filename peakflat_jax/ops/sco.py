@@ -1,0 +1,148 @@
+"""SCO: a layer scan whose checkpoint boundaries go to host memory and come back one layer ahead.
+
+``sco_scan(layer_fn, h, stacked_params, offload=...)`` computes the same values and gradients
+as ``lax.scan`` over ``jax.checkpoint(layer_fn)``: each layer is rematerialized in backward from
+its input h_l (the checkpoint boundary). The boundaries chosen by ``offload`` are sent to pinned
+host memory as soon as they exist, and the device copy is freed once layer l has used it.
+Backward walks the layers in reverse. While layer l recomputes and differentiates, h_(l-1) is
+already coming back.
+
+Memory (per device): the boundaries not offloaded, plus at most 2 restored ones, plus one
+layer's rematerialized intermediates:
+
+    (L - n_offloaded + 2) * N * H * b + one layer's activations
+
+Why the copies can overlap compute: XLA overlaps host copies in straight-line code but not
+across while-loop iterations (JAX-NOTES.md: a scan emitting boundaries to host ran compute +
+copies serially; unrolled layers ran at link speed). So the layers are unrolled in Python and
+the transfers are placed explicitly, in forward and in backward. Optimization barriers tie each
+backward step to the previous one's cotangent: the prefetch of h_(l-1) starts when layer l's
+backward starts, not earlier (which would hold every boundary on the device at once), and no
+layer's recomputation is hoisted ahead of its turn. Whether this reaches "within 2% of no
+offload" is measured on an H200 by ``scripts/bench_sco.py`` (not yet run). On CPU the memory
+kinds lower to nothing, so tests check values and the placement of transfers in the jaxpr.
+
+Legend: L layers, N tokens, H hidden, b bytes per element of h.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from peakflat_jax._validate import as_int
+
+
+@dataclasses.dataclass(frozen=True)
+class HostBudget:
+    """Offload as many boundaries as fit in ``bytes`` of host memory, in forward order."""
+
+    bytes: int
+
+    def __post_init__(self):
+        if isinstance(self.bytes, bool) or as_int("HostBudget.bytes", self.bytes) < 0:
+            raise ValueError(f"HostBudget.bytes: expected a non-negative int, got {self.bytes!r}")
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this host (the ceiling for pinned host buffers)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def offload_plan(offload, num_layers: int, boundary_bytes: int) -> tuple[bool, ...]:
+    """Which of the L boundaries go to host memory, checked against this host's memory.
+
+    A pure function of static numbers, so every process makes the same choice (a mismatch
+    would deadlock collectives) and a budget that cannot be met fails before any compute.
+    """
+    if isinstance(offload, HostBudget):
+        count = min(num_layers, offload.bytes // boundary_bytes) if boundary_bytes else num_layers
+        chosen = tuple(i < count for i in range(num_layers))
+    elif isinstance(offload, bool):
+        raise ValueError(f"offload: expected an int, a sequence of L={num_layers} bools or a "
+                         f"HostBudget, got {offload!r}")
+    elif isinstance(offload, Sequence):
+        if len(offload) != num_layers or not all(isinstance(x, bool) for x in offload):
+            raise ValueError(f"offload: expected {num_layers} bools (one per layer), got "
+                             f"{offload!r}")
+        chosen = tuple(offload)
+    else:
+        count = as_int("offload", offload)
+        if not 0 <= count <= num_layers:
+            raise ValueError(f"offload: expected a count in [0, L={num_layers}], got {count}")
+        chosen = tuple(i < count for i in range(num_layers))
+    needed = sum(chosen) * boundary_bytes
+    available = host_memory_bytes()
+    if needed > available:
+        raise ValueError(f"offload: {sum(chosen)} boundaries need {needed:,} bytes of host "
+                         f"memory, this host has {available:,}")
+    return chosen
+
+
+def sco_scan(layer_fn: Callable, h: jax.Array, stacked_params, *, offload) -> jax.Array:
+    """``lax.scan`` of the checkpointed ``layer_fn(h, params_l) -> h`` over the leading layer
+    axis of ``stacked_params``, with the boundaries chosen by ``offload`` kept in host memory.
+
+    ``offload``: an int (the first n boundaries), a sequence of L bools, or ``HostBudget(bytes)``
+    (as many as fit, in forward order). ``layer_fn`` must return an array shaped like ``h`` and
+    must not close over arrays that need gradients (pass them in ``stacked_params``).
+    """
+    leaves = jax.tree.leaves(stacked_params)
+    if not leaves:
+        raise ValueError("stacked_params: expected at least one array with a leading layer axis")
+    num_layers = leaves[0].shape[0]
+    if any(leaf.ndim < 1 or leaf.shape[0] != num_layers for leaf in leaves):
+        raise ValueError(f"stacked_params: every leaf needs the same leading layer axis, got "
+                         f"{[leaf.shape for leaf in leaves]}")
+    chosen = offload_plan(offload, num_layers, math.prod(h.shape) * h.dtype.itemsize)
+    return _sco_scan(layer_fn, chosen, h, stacked_params)
+
+
+def _layer_params(stacked_params, layer: int):
+    return jax.tree.map(lambda leaf: leaf[layer], stacked_params)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _sco_scan(layer_fn, chosen, h, stacked_params):
+    return _sco_scan_fwd(layer_fn, chosen, h, stacked_params)[0]
+
+
+def _sco_scan_fwd(layer_fn, chosen, h, stacked_params):
+    boundaries = []
+    for layer, to_host in enumerate(chosen):
+        # Sent as soon as it exists; nothing on the device reads it after this layer.
+        boundaries.append(jax.device_put(h, jax.memory.Space.Host) if to_host else h)
+        h = layer_fn(h, _layer_params(stacked_params, layer))
+    return h, (tuple(boundaries), stacked_params)
+
+
+def _sco_scan_bwd(layer_fn, chosen, residuals, d_h):
+    boundaries, stacked_params = residuals
+    num_layers = len(chosen)
+
+    def restore(layer, after):
+        """Boundary ``layer`` on the device, its copy issued once ``after`` exists."""
+        boundary, _ = lax.optimization_barrier((boundaries[layer], after))
+        return jax.device_put(boundary, jax.memory.Space.Device) if chosen[layer] else boundary
+
+    d_params = []
+    incoming = restore(num_layers - 1, d_h)
+    for layer in reversed(range(num_layers)):
+        h_in, d_h = lax.optimization_barrier((incoming, d_h))  # not before layer + 1 is done
+        if layer > 0:
+            incoming = restore(layer - 1, d_h)  # overlaps this layer's recompute and backward
+        _, vjp = jax.vjp(layer_fn, h_in, _layer_params(stacked_params, layer))
+        d_h, d_layer = vjp(d_h)
+        d_params.append(d_layer)
+    d_stacked = jax.tree.map(lambda *per_layer: jnp.stack(per_layer[::-1]), *d_params)
+    return d_h, d_stacked
+
+
+_sco_scan.defvjp(_sco_scan_fwd, _sco_scan_bwd)

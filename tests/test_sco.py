@@ -1,0 +1,162 @@
+"""SCO: values and gradients equal the checkpointed scan; transfers placed as chosen; budgets."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from jax.sharding import PartitionSpec as P
+
+import peakflat_jax as pf
+from peakflat_jax import memory, skew
+from peakflat_jax.ops import sco
+
+LAYERS, TOKENS, HIDDEN = 5, 8, 6
+
+
+def layer_fn(h, p):
+    return h + jnp.tanh(h @ p["w"] + p["b"]) * p["scale"]
+
+
+def draw(rng):
+    params = {"w": rng.standard_normal((LAYERS, HIDDEN, HIDDEN)) / 3,
+              "b": rng.standard_normal((LAYERS, HIDDEN)),
+              "scale": rng.standard_normal((LAYERS,))}
+    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+    h = jnp.asarray(rng.standard_normal((TOKENS, HIDDEN)), jnp.float32)
+    return h, params, jnp.asarray(rng.standard_normal((TOKENS, HIDDEN)), jnp.float32)
+
+
+def checkpointed_scan(layer_fn, h, params):
+    return jax.lax.scan(lambda h, p: (jax.checkpoint(layer_fn)(h, p), None), h, params)[0]
+
+
+def value_and_grads(fn, h, params, cotangent):
+    return jax.jit(jax.value_and_grad(lambda h, p: jnp.vdot(fn(h, p), cotangent),
+                                      argnums=(0, 1)))(h, params)
+
+
+BOUNDARY_BYTES = TOKENS * HIDDEN * 4
+OFFLOADS = [0, 2, LAYERS, [True, False, True, False, True], [False] * 4 + [True],
+            pf.HostBudget(3 * BOUNDARY_BYTES + 1)]
+
+
+@pytest.mark.parametrize("offload", OFFLOADS, ids=str)
+def test_equals_checkpointed_scan(rng, offload):
+    h, params, cotangent = draw(rng)
+    value, grads = value_and_grads(lambda h, p: pf.sco_scan(layer_fn, h, p, offload=offload),
+                                   h, params, cotangent)
+    ref_value, ref_grads = value_and_grads(lambda h, p: checkpointed_scan(layer_fn, h, p),
+                                           h, params, cotangent)
+    # The same operations in the same order: equal, not merely close.
+    np.testing.assert_array_equal(value, ref_value)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_array_equal(a, b)
+
+
+def transfers(jaxpr) -> list[str]:
+    """The memory space of every device_put in a jaxpr, nested jaxprs included, in order."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "device_put":
+            found += [str(d) for d in eqn.params["devices"]]
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += transfers(inner)
+    return found
+
+
+@pytest.mark.parametrize("offload, expected", [
+    (0, 0), (3, 3), ([True, False, True, False, True], 3), (pf.HostBudget(2 * BOUNDARY_BYTES), 2),
+])
+def test_gradient_moves_exactly_the_chosen_boundaries(rng, offload, expected):
+    h, params, _ = draw(rng)
+    jaxpr = jax.make_jaxpr(jax.grad(
+        lambda h, p: pf.sco_scan(layer_fn, h, p, offload=offload).sum(), argnums=(0, 1)))(
+        h, params)
+    moves = transfers(jaxpr.jaxpr)
+    assert moves.count("MemorySpace.Host") == expected
+    assert moves.count("MemorySpace.Device") == expected
+    # Forward sends them all before backward brings any back.
+    assert moves == ["MemorySpace.Host"] * expected + ["MemorySpace.Device"] * expected
+
+
+@pytest.mark.parametrize("budget, count", [(0, 0), (BOUNDARY_BYTES - 1, 0), (BOUNDARY_BYTES, 1),
+                                           (4 * BOUNDARY_BYTES + 7, 4), (10**9, LAYERS)])
+def test_host_budget_picks_as_many_as_fit(budget, count):
+    chosen = sco.offload_plan(pf.HostBudget(budget), LAYERS, BOUNDARY_BYTES)
+    assert chosen == tuple(i < count for i in range(LAYERS))
+
+
+def test_impossible_budget_raises_before_compiling():
+    # Two boundaries of 2^40 bytes each: no host has that much memory.
+    h = jax.ShapeDtypeStruct((2**20, 2**18), jnp.float32)
+    params = {"w": jax.ShapeDtypeStruct((3, 1), jnp.float32)}
+    with pytest.raises(ValueError, match="host memory"):
+        jax.jit(lambda h, p: pf.sco_scan(lambda h, p: h * p["w"][0], h, p, offload=2)).trace(
+            h, params)
+
+
+@pytest.mark.parametrize("offload, match", [
+    (True, "offload"), (LAYERS + 1, "offload"), (-1, "offload"), ([True] * 4, "offload"),
+    ([1, 0, 1, 0, 1], "offload"), (2.0, "offload"),
+])
+def test_bad_offload_names_the_argument(rng, offload, match):
+    h, params, _ = draw(rng)
+    with pytest.raises(ValueError, match=match):
+        pf.sco_scan(layer_fn, h, params, offload=offload)
+
+
+def test_bad_budget_and_params():
+    with pytest.raises(ValueError, match="HostBudget"):
+        pf.HostBudget(-1)
+    with pytest.raises(ValueError, match="stacked_params"):
+        pf.sco_scan(layer_fn, jnp.ones((2, 2)), {"w": jnp.ones((3, 2)), "b": jnp.ones((4,))},
+                    offload=0)
+
+
+def test_a_layer_with_pipelined_moe_keeps_its_chunk_bound(rng):
+    """SCO inside shard_map around layers that each hold a PipelinedLLEP layer: values match the
+    checkpointed scan, and no array the size of a rank's whole dispatch appears."""
+    devices, experts, tokens, top_k, hidden, ffn, layers = 4, 8, 256, 4, 32, 16, 3
+    mesh = make_mesh(("expert", devices))
+    ids = jnp.asarray(np.concatenate([skew.route(tokens, top_k, experts,
+                                                 skew.SkewProfile(0.8, 2))] * devices))
+    gates = jnp.asarray(rng.random((devices * tokens, top_k)), jnp.float32)
+
+    def moe_layer(h, p):
+        y = pf.pipelined_moe(h, p["ids"], p["gates"], p["wg"], p["wu"], p["wd"],
+                             axis_name="expert", num_experts=experts, token_budget=8,
+                             max_chunks=64, llep_min_tokens=8)
+        return h + y
+
+    def per_shard(h, ids, gates, wg, wu, wd, use_sco):
+        params = {"ids": jnp.broadcast_to(ids, (layers, *ids.shape)),
+                  "gates": jnp.broadcast_to(gates, (layers, *gates.shape)),
+                  "wg": wg, "wu": wu, "wd": wd}
+        if use_sco:
+            return pf.sco_scan(moe_layer, h, params, offload=2)
+        return checkpointed_scan(moe_layer, h, params)
+
+    weights = [jnp.asarray(rng.standard_normal((layers, experts) + s) / 8, jnp.float32)
+               for s in ((hidden, ffn), (hidden, ffn), (ffn, hidden))]
+    h = jnp.asarray(rng.standard_normal((devices * tokens, hidden)), jnp.float32)
+    specs = (P("expert"), P("expert"), P("expert"), P(None, "expert"), P(None, "expert"),
+             P(None, "expert"))
+
+    def loss(use_sco):
+        fn = jax.shard_map(lambda *a: per_shard(*a, use_sco), mesh=mesh, in_specs=specs,
+                           out_specs=P("expert"))
+        return lambda h, *w: fn(h, ids, gates, *w).sum()
+
+    grad = jax.jit(jax.value_and_grad(loss(True), argnums=(0, 1, 2, 3)))
+    value, grads = grad(h, *weights)
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(loss(False), argnums=(0, 1, 2, 3)))(
+        h, *weights)
+    assert abs(float(value - ref_value)) <= 1e-5 * abs(float(ref_value))
+    for a, b in zip(grads, ref_grads):
+        assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b)
+    compiled = grad.lower(h, *weights).compile()
+    memory.assert_no_array_at_least(compiled, tokens * top_k * hidden, what="dispatch buffer")
