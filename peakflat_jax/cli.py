@@ -13,7 +13,8 @@ import sys
 
 BENCHMARKS = {"ring_dtp": "peakflat_jax.bench.ring_dtp",
               "moe_dispatch": "peakflat_jax.bench.moe_dispatch",
-              "offload_adamw": "peakflat_jax.bench.offload_adamw"}
+              "offload_adamw": "peakflat_jax.bench.offload_adamw",
+              "sco": "peakflat_jax.bench.sco"}
 
 
 def _prepare_environment() -> None:
