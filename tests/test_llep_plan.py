@@ -10,7 +10,7 @@ from peakflat_jax.ops.llep_plan import foreign_experts, llep_assignment, plain_a
 
 
 def plan(loads, num_devices, **kwargs):
-    return np.asarray(jax.jit(lambda l: llep_assignment(l, num_devices, **kwargs))(
+    return np.asarray(jax.jit(lambda loads: llep_assignment(loads, num_devices, **kwargs))(
         jnp.asarray(loads, jnp.int32)))
 
 

@@ -39,6 +39,24 @@ def time_call(fn: Callable, *args, warmup: int = 2, repeats: int = 10) -> dict:
             "max_s": max(samples), "repeats": repeats}
 
 
+def measure_compiled(compiled, args, devices, case: dict) -> dict:
+    """Times a compiled step (warm-up and repeats from ``case``) and reads its memory: the
+    fields every benchmark record shares."""
+    timing = time_call(compiled, *args, warmup=case.get("warmup", 1),
+                       repeats=case.get("repeats", 10))
+    plan = memory.compiled_memory(compiled)
+    largest = memory.largest_arrays(compiled, count=1)
+    return {
+        "time_s": timing["median_s"], "time_min_s": timing["min_s"],
+        "time_max_s": timing["max_s"], "repeats": timing["repeats"],
+        "peak_bytes": peak_bytes_over(devices),
+        "xla_temp_bytes": plan.temp, "xla_argument_bytes": plan.argument,
+        "xla_output_bytes": plan.output, "xla_host_temp_bytes": plan.host_temp,
+        "largest_array": largest[0][1] if largest else None,
+        "largest_array_elements": largest[0][0] if largest else 0,
+    }
+
+
 def peak_bytes_over(devices) -> int | None:
     """The largest allocator peak over the devices a case used (None on CPU)."""
     peaks = [memory.peak_device_bytes(d) for d in devices]

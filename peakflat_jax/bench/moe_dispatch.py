@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from peakflat_jax import memory, skew
+from peakflat_jax import skew
 from peakflat_jax.bench import harness
 from peakflat_jax.ops.pipelined_moe import pipelined_moe
 
@@ -100,18 +100,10 @@ def run_case(case: dict) -> dict:
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
     args = (x, gates, w_gate, w_up, w_down)
     compiled = step.lower(*args).compile()
-    timing = harness.time_call(compiled, *args, warmup=case.get("warmup", 1),
-                               repeats=case.get("repeats", 10))
+    measured = harness.measure_compiled(compiled, args, devices, case)
     value, grads = compiled(*args)
-    plan = memory.compiled_memory(compiled)
-    largest = memory.largest_arrays(compiled, count=1)
     return {
-        "time_s": timing["median_s"], "time_min_s": timing["min_s"],
-        "time_max_s": timing["max_s"], "repeats": timing["repeats"],
-        "peak_bytes": harness.peak_bytes_over(devices),
-        "xla_temp_bytes": plan.temp, "xla_argument_bytes": plan.argument,
-        "xla_output_bytes": plan.output,
-        "largest_array": largest[0][1] if largest else None,
+        **measured,
         "loss": float(value),
         "grad_x_norm": float(jnp.linalg.norm(grads[0].astype(jnp.float32))),
     }

@@ -21,7 +21,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from peakflat_jax import memory, reference
+from peakflat_jax import reference
 from peakflat_jax.bench import harness
 from peakflat_jax.ops.ring_cross_entropy import ring_cross_entropy
 
@@ -111,19 +111,10 @@ def run_case(case: dict) -> dict:
     x, w, t = _random_inputs(case, mesh)
     step = jax.jit(jax.value_and_grad(lambda x, w, t: loss_fn(x, w, t).mean(), argnums=(0, 1)))
     compiled = step.lower(x, w, t).compile()
-    timing = harness.time_call(compiled, x, w, t, warmup=case.get("warmup", 1),
-                               repeats=case.get("repeats", 10))
+    measured = harness.measure_compiled(compiled, (x, w, t), devices, case)
     loss, (dx, dw) = compiled(x, w, t)
-    plan = memory.compiled_memory(compiled)
-    largest = memory.largest_arrays(compiled, count=1)
     return {
-        "time_s": timing["median_s"], "time_min_s": timing["min_s"],
-        "time_max_s": timing["max_s"], "repeats": timing["repeats"],
-        "peak_bytes": harness.peak_bytes_over(devices),
-        "xla_temp_bytes": plan.temp, "xla_argument_bytes": plan.argument,
-        "xla_output_bytes": plan.output,
-        "largest_array": largest[0][1] if largest else None,
-        "largest_array_elements": largest[0][0] if largest else 0,
+        **measured,
         # Checksums to compare methods: all compute the same function.
         "loss": float(loss),
         "grad_hidden_norm": float(jnp.linalg.norm(dx.astype(jnp.float32))),

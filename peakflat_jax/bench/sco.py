@@ -80,13 +80,7 @@ def run_case(case: dict) -> dict:
     step = jax.jit(jax.value_and_grad(
         lambda h, p: jnp.mean(stack(h, p).astype(jnp.float32) ** 2), argnums=(0, 1)))
     compiled = step.lower(h, params).compile()
-    timing = harness.time_call(compiled, h, params, warmup=1, repeats=case["repeats"])
-    analysis = compiled.memory_analysis()
-    return {"time_s": timing["median_s"], "time_min_s": timing["min_s"],
-            "time_max_s": timing["max_s"], "repeats": timing["repeats"],
-            "peak_bytes": harness.peak_bytes_over([device]),
-            "xla_temp_bytes": int(analysis.temp_size_in_bytes),
-            "xla_host_temp_bytes": int(getattr(analysis, "host_temp_size_in_bytes", 0) or 0),
+    return {**harness.measure_compiled(compiled, (h, params), [device], case),
             "boundary_bytes": tokens * hidden * dtype.itemsize}
 
 
