@@ -9,7 +9,6 @@ honest cost of the bounded loss is about 4/3 of the materialized one.
 
 import json
 import math
-import time
 
 import jax
 import jax.numpy as jnp
@@ -18,20 +17,14 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from peakflat_jax import reference
+from peakflat_jax.bench import harness
 from peakflat_jax.ops import ring_cross_entropy as rce
 
 TOKENS, HIDDEN, VOCAB = 8192, 7168, 200_000
 
 
-def median_time(fn, *args, repeats=5):
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - start)
-    return sorted(samples)[len(samples) // 2]
+def median_time(fn, *args):
+    return harness.time_call(fn, *args, warmup=2, repeats=5)["median_s"]
 
 
 def main():
