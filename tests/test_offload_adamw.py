@@ -142,3 +142,47 @@ def test_grads_that_differ_from_the_params(rng):
     wrong_shape = {**grads, "embed": jnp.zeros((36, 16), jnp.bfloat16)}
     with pytest.raises(ValueError, match="grads"):
         opt.step(wrong_shape, state)
+
+
+@pytest.mark.parametrize("params", [
+    {"bias": jnp.ones(8)},                                  # a bucket that is exactly one leaf
+    {"a": jnp.ones(3), "empty": jnp.zeros((0, 4)), "c": jnp.ones((2,), jnp.bfloat16)},
+])
+def test_edge_layouts_match_optax(rng, params):
+    params = jax.tree.map(lambda p: p + jnp.asarray(rng.standard_normal(p.shape), p.dtype),
+                          params)
+    opt = pf.offload_stream_adamw(1e-2, weight_decay=0.1, bucket_params=8)
+    state = opt.init(params)
+    reference = optax.adamw(1e-2, weight_decay=0.1, mu_dtype=jnp.float32)
+    master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    reference_state = reference.init(master)
+    for _ in range(3):
+        grads = random_grads(rng, params)
+        params, state = opt.step(grads, state)
+        updates, reference_state = reference.update(
+            jax.tree.map(lambda g: g.astype(jnp.float32), grads), reference_state, master)
+        master = optax.apply_updates(master, updates)
+        assert_tree_close(opt.master_params(state), master, rtol=1e-6)
+    for leaf in jax.tree.leaves(params):
+        assert leaf.sharding.memory_kind == "device"
+
+
+def test_state_of_another_layout_is_refused(rng, tmp_path):
+    params = make_params(rng)
+    opt = pf.offload_stream_adamw(1e-3, bucket_params=100)
+    state = opt.init(params)
+    opt.save(tmp_path / "ckpt", state)
+    other = pf.offload_stream_adamw(1e-3, bucket_params=101)
+    other.init(params)
+    with pytest.raises(ValueError, match="state"):
+        other.step(random_grads(rng, params), state)
+    with pytest.raises(ValueError, match="state"):
+        other.restore(tmp_path / "ckpt")
+    opt.init({"w": jnp.ones((5, 5))})  # rebinding: the old state no longer fits
+    with pytest.raises(ValueError, match="state"):
+        opt.master_params(state)
+
+
+def test_numpy_scalars_are_accepted():
+    opt = pf.offload_stream_adamw(np.float32(1e-3), b1=np.float64(0.9), eps=np.float32(1e-8))
+    assert opt.learning_rate == pytest.approx(1e-3)

@@ -109,6 +109,26 @@ def test_bad_offload_names_the_argument(rng, offload, match):
         pf.sco_scan(layer_fn, h, params, offload=offload)
 
 
+def test_numpy_offloads_and_zero_layers(rng):
+    h, params, cotangent = draw(rng)
+    chosen = np.array([True, False, True, False, True])
+    for offload in (chosen, list(chosen), np.int64(2)):
+        value, _ = value_and_grads(lambda h, p: pf.sco_scan(layer_fn, h, p, offload=offload),
+                                   h, params, cotangent)
+        ref_value, _ = value_and_grads(lambda h, p: checkpointed_scan(layer_fn, h, p), h,
+                                       params, cotangent)
+        np.testing.assert_array_equal(value, ref_value)
+    empty = jax.tree.map(lambda a: a[:0], params)
+    grads = jax.grad(lambda h: pf.sco_scan(layer_fn, h, empty, offload=0).sum())(h)
+    np.testing.assert_array_equal(grads, jnp.ones_like(h))
+
+
+def test_layer_that_changes_h_is_refused(rng):
+    h, params, _ = draw(rng)
+    with pytest.raises(ValueError, match="layer_fn"):
+        pf.sco_scan(lambda h, p: layer_fn(h, p).astype(jnp.bfloat16), h, params, offload=1)
+
+
 def test_bad_budget_and_params():
     with pytest.raises(ValueError, match="HostBudget"):
         pf.HostBudget(-1)

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from peakflat_jax._validate import as_int
@@ -68,11 +69,12 @@ def offload_plan(offload, num_layers: int, boundary_bytes: int) -> tuple[bool, .
     elif isinstance(offload, bool):
         raise ValueError(f"offload: expected an int, a sequence of L={num_layers} bools or a "
                          f"HostBudget, got {offload!r}")
-    elif isinstance(offload, Sequence):
-        if len(offload) != num_layers or not all(isinstance(x, bool) for x in offload):
+    elif isinstance(offload, Sequence | np.ndarray):
+        if len(offload) != num_layers or not all(isinstance(x, bool | np.bool_)
+                                                 for x in offload):
             raise ValueError(f"offload: expected {num_layers} bools (one per layer), got "
                              f"{offload!r}")
-        chosen = tuple(offload)
+        chosen = tuple(bool(x) for x in offload)
     else:
         count = as_int("offload", offload)
         if not 0 <= count <= num_layers:
@@ -93,6 +95,9 @@ def sco_scan(layer_fn: Callable, h: jax.Array, stacked_params, *, offload) -> ja
     ``offload``: an int (the first n boundaries), a sequence of L bools, or ``HostBudget(bytes)``
     (as many as fit, in forward order). ``layer_fn`` must return an array shaped like ``h`` and
     must not close over arrays that need gradients (pass them in ``stacked_params``).
+
+    Limits: reverse mode only (a custom VJP: ``jax.jvp`` and ``jacfwd`` raise); under
+    ``jax.vmap`` a HostBudget counts the bytes of one example's boundary.
     """
     leaves = jax.tree.leaves(stacked_params)
     if not leaves:
@@ -102,6 +107,12 @@ def sco_scan(layer_fn: Callable, h: jax.Array, stacked_params, *, offload) -> ja
         raise ValueError(f"stacked_params: every leaf needs the same leading layer axis, got "
                          f"{[leaf.shape for leaf in leaves]}")
     chosen = offload_plan(offload, num_layers, math.prod(h.shape) * h.dtype.itemsize)
+    if num_layers == 0:
+        return h
+    out = jax.eval_shape(layer_fn, h, _layer_params(stacked_params, 0))
+    if not isinstance(out, jax.ShapeDtypeStruct) or (out.shape, out.dtype) != (h.shape, h.dtype):
+        raise ValueError(f"layer_fn: expected it to return an array like h "
+                         f"({h.dtype}{list(h.shape)}), got {out}")
     return _sco_scan(layer_fn, chosen, h, stacked_params)
 
 

@@ -21,7 +21,9 @@ an H200 by ``scripts/bench_offload_adamw.py`` (not yet run). On CPU the memory k
 the copies lower to nothing: tests check the numbers, not the transfers.
 
 The update is optax.adamw's, operation for operation (``mu_dtype=float32``): after every step the
-master equals optax.adamw applied to fp32 parameters with the same gradients.
+master equals optax.adamw applied to fp32 parameters with the same gradients upcast to fp32
+(gradients of any dtype are upcast before use; optax given bf16 gradients would square and clip
+them in bf16).
 
 Legend: P parameters in all, beta = bucket_params, s = slots.
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import pathlib
 from collections.abc import Callable
 from typing import Any
@@ -101,9 +104,21 @@ class _Layout:
                 parts[p.leaf].append((p.leaf_start, bucket[p.bucket_start:p.bucket_start + p.size]))
         leaves = []
         for shape, dtype, leaf_parts in zip(self.shapes, self.dtypes, parts):
+            if not leaf_parts:  # a leaf of size zero lies in no bucket
+                leaves.append(jnp.zeros(shape, dtype))
+                continue
             flat = jnp.concatenate([x for _, x in sorted(leaf_parts, key=lambda t: t[0])])
             leaves.append(flat.astype(dtype).reshape(shape))
         return leaves
+
+    def check(self, state: OffloadAdamWState) -> None:
+        """Raises unless ``state`` was made for this layout (the same buckets)."""
+        shapes = tuple(tuple(a.shape) for a in state.master)
+        if shapes != tuple((n,) for n in self.bucket_sizes) or not (
+                len(state.mu) == len(state.nu) == len(shapes)):
+            raise ValueError(f"state: expected {len(self.bucket_sizes)} buckets of sizes "
+                             f"{self.bucket_sizes} (from the last init), got {shapes}: a state "
+                             f"of another optimizer, params tree or bucket_params")
 
 
 @jax.tree_util.register_dataclass
@@ -128,28 +143,28 @@ class OffloadStreamAdamW:
                  eps: float = 1e-8, weight_decay: float = 0.0,
                  bucket_params: int = 100_000_000, slots: int = 2,
                  max_grad_norm: float | None = None):
-        if not callable(learning_rate) and not (
-                isinstance(learning_rate, (int, float)) and learning_rate >= 0):
+        if not callable(learning_rate) and not (_is_real(learning_rate) and learning_rate >= 0):
             raise ValueError(f"learning_rate: expected a non-negative number or an optax "
                              f"schedule, got {learning_rate!r}")
         for name, value in (("b1", b1), ("b2", b2)):
-            if not (isinstance(value, (int, float)) and 0 <= value < 1):
+            if not (_is_real(value) and 0 <= value < 1):
                 raise ValueError(f"{name}: expected a number in [0, 1), got {value!r}")
-        if not (isinstance(eps, (int, float)) and eps > 0):
+        if not (_is_real(eps) and eps > 0):
             raise ValueError(f"eps: expected a positive number, got {eps!r}")
-        if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
+        if not _is_real(weight_decay) or weight_decay < 0:
             raise ValueError(f"weight_decay: expected a non-negative number, got "
                              f"{weight_decay!r}")
         if as_int("bucket_params", bucket_params) < 1:
             raise ValueError(f"bucket_params: expected a positive int, got {bucket_params!r}")
         if as_int("slots", slots) < 1:
             raise ValueError(f"slots: expected a positive int, got {slots!r}")
-        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
-                                              and max_grad_norm > 0):
+        if max_grad_norm is not None and not (_is_real(max_grad_norm) and max_grad_norm > 0):
             raise ValueError(f"max_grad_norm: expected None or a positive number, got "
                              f"{max_grad_norm!r}")
-        self.learning_rate, self.b1, self.b2, self.eps = learning_rate, b1, b2, eps
-        self.weight_decay, self.max_grad_norm = weight_decay, max_grad_norm
+        self.learning_rate = learning_rate if callable(learning_rate) else float(learning_rate)
+        self.b1, self.b2, self.eps = float(b1), float(b2), float(eps)
+        self.weight_decay = float(weight_decay)
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.bucket_params, self.slots = int(bucket_params), int(slots)
         self._layout: _Layout | None = None
         self._device = None
@@ -162,7 +177,12 @@ class OffloadStreamAdamW:
         return SingleDeviceSharding(device, memory_kind="pinned_host")
 
     def init(self, params) -> OffloadAdamWState:
-        """fp32 master copies of ``params`` and zero moments, in host memory."""
+        """fp32 master copies of ``params`` and zero moments, in host memory.
+
+        It binds this optimizer to the params' structure: states from an earlier ``init`` with
+        another structure are refused afterwards."""
+        if not any(math.prod(leaf.shape) for leaf in jax.tree.leaves(params)):
+            raise ValueError("params: expected at least one non-empty array")
         layout = _Layout.of(params, self.bucket_params)
         self._layout, self._step_fn = layout, None
         leaves = jax.tree.leaves(params)
@@ -182,6 +202,7 @@ class OffloadStreamAdamW:
     def master_params(self, state: OffloadAdamWState):
         """The fp32 master weights as a pytree shaped like the params."""
         layout = self._require_layout()
+        layout.check(state)
         f32 = dataclasses.replace(layout, dtypes=(jnp.dtype(jnp.float32),) * len(layout.dtypes))
         return jax.tree.unflatten(layout.treedef, f32.scatter(
             [jax.device_put(m, m.sharding.with_memory_kind("device")) for m in state.master]))
@@ -201,7 +222,12 @@ class OffloadStreamAdamW:
         device = jax.devices()[0] if self._device is None else self._device
         buckets = tuple(jax.ShapeDtypeStruct((n,), jnp.float32) for n in layout.bucket_sizes)
         target = OffloadAdamWState(jax.ShapeDtypeStruct((), jnp.int32), buckets, buckets, buckets)
-        saved = ocp.StandardCheckpointer().restore(pathlib.Path(directory).absolute(), target)
+        try:
+            saved = ocp.StandardCheckpointer().restore(pathlib.Path(directory).absolute(), target)
+        except ValueError as error:  # another bucket count: orbax's tree structures differ
+            raise ValueError(f"state: the checkpoint in {directory} holds another bucket layout "
+                             f"than this optimizer's {layout.bucket_sizes}: {error}") from error
+        layout.check(saved)  # orbax returns what was saved, whatever the target's shapes
         host = self._host(device)
         return OffloadAdamWState(
             jax.device_put(saved.count, device),
@@ -223,6 +249,7 @@ class OffloadStreamAdamW:
         shapes = tuple(leaf.shape for leaf in leaves)
         if shapes != layout.shapes:
             raise ValueError(f"grads: expected leaf shapes {layout.shapes}, got {shapes}")
+        layout.check(state)
         if self._step_fn is None:
             self._step_fn = self._compile_step(_single_device(leaves))
         new_leaves, state = self._step_fn(leaves, state)
@@ -234,9 +261,11 @@ class OffloadStreamAdamW:
         num_buckets = len(layout.bucket_sizes)
         state_shardings = OffloadAdamWState(
             SingleDeviceSharding(device), *((host,) * num_buckets for _ in range(3)))
-        return jax.jit(self._update, donate_argnums=1,
-                       out_shardings=([SingleDeviceSharding(device)] * len(layout.shapes),
-                                      state_shardings))
+        on_device = [SingleDeviceSharding(device)] * len(layout.shapes)
+        # Declared memory kinds on both sides let donation pair host inputs with host outputs
+        # only; left unknown, a donated host bucket could become a same-shaped device output.
+        return jax.jit(self._update, donate_argnums=1, in_shardings=(on_device, state_shardings),
+                       out_shardings=(on_device, state_shardings))
 
     def _update(self, grad_leaves, state: OffloadAdamWState):
         layout = self._layout
@@ -297,6 +326,10 @@ def _adamw(master, mu, nu, grad, count_inc, step_size, *, b1, b2, eps, weight_de
     update = update + weight_decay * master
     update = jnp.asarray(step_size, update.dtype) * update
     return (master + update).astype(master.dtype), mu, nu
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _safe_increment(count):
