@@ -276,8 +276,7 @@ class OffloadStreamAdamW:
         else:
             step_size = -self.learning_rate
         clip = self._clip_factor(grad_leaves)
-        masters, mus, nus, working = [], [], [], []
-        written = []
+        working, written = [], []  # per bucket: new fp32 master on device; (master, mu, nu) home
         for b in range(len(layout.bucket_sizes)):
             host_in = (state.master[b], state.mu[b], state.nu[b])
             if b >= self.slots:  # wait for bucket b - slots to be home: at most `slots` staged
@@ -291,10 +290,8 @@ class OffloadStreamAdamW:
             working.append(master)
             out = tuple(jax.device_put(a, jax.memory.Space.Host) for a in (master, mu, nu))
             written.append(out)
-            masters.append(out[0])
-            mus.append(out[1])
-            nus.append(out[2])
-        new_state = OffloadAdamWState(count_inc, tuple(masters), tuple(mus), tuple(nus))
+        masters, mus, nus = (tuple(column) for column in zip(*written))
+        new_state = OffloadAdamWState(count_inc, masters, mus, nus)
         return layout.scatter(working), new_state
 
     def _clip_factor(self, grad_leaves):
