@@ -90,29 +90,33 @@ def case_main(run_case: Callable[[dict], dict]) -> None:
         result = {"error": type(error).__name__,
                   "oom": "RESOURCE_EXHAUSTED" in message or "out of memory" in message.lower(),
                   "message": message[:2000]}
-    print(json.dumps({**case, **result}))
+    print(json.dumps({**case, **result, "device": describe_device()}))
 
 
 def run_suite(module: str, name: str, preset: str, cases: list[dict], *, command: str,
               out_dir: pathlib.Path | None = None, timeout: float = 900) -> dict:
-    """Runs every case in a fresh process and writes ``<out_dir>/<name>_<preset>_<date>.json``."""
-    results = []
-    for case in cases:
-        print(f"[{name}] {json.dumps(case)}", file=sys.stderr, flush=True)
-        result = memory.run_in_fresh_process(module, ["--case", json.dumps(case)],
-                                             timeout=timeout)
-        results.append({**case, **result})
+    """Runs every case in a fresh process and writes ``<out_dir>/<name>_<preset>_<date>.json``,
+    rewritten after each case so that a run cut off by a time limit keeps what it measured."""
     now = datetime.datetime.now(datetime.timezone.utc)
     record = {
         "benchmark": name, "preset": preset, "command": command,
-        "date": now.isoformat(timespec="seconds"), "device": describe_device(),
+        # The device is named by the cases: the parent must not start a GPU backend, which
+        # would hold the memory the cases measure.
+        "date": now.isoformat(timespec="seconds"), "device": None,
         "jax": jax.__version__, "python": platform.python_version(), "commit": git_commit(),
-        "cases": results,
+        "cases": [],
     }
     out_dir = RESULTS_DIR if out_dir is None else pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}_{preset}_{now:%Y%m%d-%H%M%S}.json"
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    for case in cases:
+        print(f"[{name}] {json.dumps(case)}", file=sys.stderr, flush=True)
+        result = memory.run_in_fresh_process(module, ["--case", json.dumps(case)],
+                                             timeout=timeout)
+        record["cases"].append({**case, **result})
+        record["device"] = record["device"] or result.get("device")
+        print(f"[{name}] -> {json.dumps(result)}", file=sys.stderr, flush=True)
+        path.write_text(json.dumps(record, indent=1) + "\n")
     record["path"] = str(path)
     return record
 

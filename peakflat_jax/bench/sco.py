@@ -25,7 +25,7 @@ def presets() -> dict[str, list[dict]]:
                                               for n in (0, layers // 2, layers))]
 
     return {"gpu": cases(dict(layers=24, tokens=65536, hidden=4096, heads=32, mlp=4,
-                              dtype="bfloat16", repeats=5, attention="cudnn")),
+                              dtype="bfloat16", repeats=3, attention="cudnn")),
             "cpu": cases(dict(layers=4, tokens=256, hidden=64, heads=4, mlp=4,
                               dtype="float32", repeats=3, attention="xla"))}
 
