@@ -1,6 +1,7 @@
 """The ``peakflat`` command.
 
-    peakflat bench OPERATOR [--preset cpu|gpu] [--only TEXT] [--out-dir DIR] [--json]
+    peakflat bench OPERATOR [--preset cpu|gpu] [--only TEXT]... [--repeats N] [--out-dir DIR]
+                      [--json]
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ def _bench(args: argparse.Namespace) -> int:
 
     cases = module.presets()[args.preset]
     if args.only:
-        cases = [c for c in cases if args.only in json.dumps(c)]
+        cases = [c for c in cases if any(text in json.dumps(c) for text in args.only)]
+    if args.repeats is not None:
+        cases = [dict(c, repeats=args.repeats) for c in cases]
     command = "peakflat " + " ".join(sys.argv[1:])
     record = harness.run_suite(BENCHMARKS[args.operator], args.operator, args.preset, cases,
                                command=command, out_dir=args.out_dir)
@@ -50,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("operator", choices=sorted(BENCHMARKS))
     bench.add_argument("--preset", default="cpu", choices=["cpu", "gpu"],
                        help="cpu (small, runs anywhere) or gpu (the paper's shapes)")
-    bench.add_argument("--only", help="run only the cases whose JSON contains this text")
+    bench.add_argument("--only", action="append",
+                       help="run only the cases whose JSON contains this text (repeatable: any)")
+    bench.add_argument("--repeats", type=int, help="timed repeats per case (default: preset's)")
     bench.add_argument("--out-dir", help="where the JSON record goes (default scripts/results)")
     bench.add_argument("--json", action="store_true", help="print the whole record as JSON")
     args = parser.parse_args(argv)

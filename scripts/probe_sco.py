@@ -158,6 +158,7 @@ VARIANTS = ["scan", "scan_offload_policy", "sco_none", "sco_all", "barrier_after
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--variants", nargs="*", default=VARIANTS, choices=VARIANTS)
     args = parser.parse_args()
     out = pathlib.Path(args.out_dir)
     hlo_dir = pathlib.Path("/tmp/probe_sco_hlo")
@@ -165,7 +166,7 @@ def main():
     os.environ["PROBE_HLO_DIR"] = str(hlo_dir)
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     record = harness.run_suite("scripts.probe_sco", "sco_probe", "gpu",
-                               [dict(SHAPE, variant=v) for v in VARIANTS],
+                               [dict(SHAPE, variant=v) for v in args.variants],
                                command="python3 scripts/probe_sco.py", out_dir=out)
     with tarfile.open(out / "sco_probe_hlo.tar", "w") as tar:
         tar.add(hlo_dir, arcname="hlo")
