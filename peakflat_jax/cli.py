@@ -37,7 +37,7 @@ def _bench(args: argparse.Namespace) -> int:
         cases = [c for c in cases if any(text in json.dumps(c) for text in args.only)]
     if args.repeats is not None:
         cases = [dict(c, repeats=args.repeats) for c in cases]
-    command = "peakflat " + " ".join(sys.argv[1:])
+    command = "peakflat " + " ".join(args.argv)
     record = harness.run_suite(BENCHMARKS[args.operator], args.operator, args.preset, cases,
                                command=command, out_dir=args.out_dir)
     print(json.dumps(record, indent=1) if args.json else module.summarize(record))
@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--repeats", type=int, help="timed repeats per case (default: preset's)")
     bench.add_argument("--out-dir", help="where the JSON record goes (default scripts/results)")
     bench.add_argument("--json", action="store_true", help="print the whole record as JSON")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    args.argv = argv
     _prepare_environment()
     return _bench(args)
 

@@ -83,6 +83,39 @@ def test_gradient_moves_exactly_the_chosen_boundaries(rng, offload, expected):
     assert moves == ["MemorySpace.Host"] * expected + ["MemorySpace.Device"] * expected
 
 
+def barriers(jaxpr) -> list[list[str]]:
+    """For every optimization_barrier in a jaxpr (nested included), its operands' kinds: "host"
+    for a value made by a device_put to host, else "value"."""
+    found, host = [], set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "device_put" and "Host" in str(eqn.params["devices"]):
+            host.update(eqn.outvars)
+        if eqn.primitive.name == "optimization_barrier":
+            found.append(["host" if v in host else "value" for v in eqn.invars])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += barriers(inner)
+    return found
+
+
+def test_transfers_and_layers_are_tied_in_order(rng):
+    """The ties that keep XLA's GPU scheduler in line (each found missing on an H200): each
+    host copy must finish with its layer's forward, and each layer's recompute must wait for
+    the whole backward of the layer above, its parameter gradients included."""
+    h, params, _ = draw(rng)
+    jaxpr = jax.make_jaxpr(jax.grad(
+        lambda h, p: pf.sco_scan(layer_fn, h, p, offload=LAYERS).sum(), argnums=(0, 1)))(
+        h, params)
+    found = barriers(jaxpr.jaxpr)
+    forward_ties = [b for b in found if b == ["host", "value"]]
+    assert len(forward_ties) == LAYERS
+    num_param_leaves = len(jax.tree.leaves(params))
+    whole_layer_ties = [b for b in found if len(b) == 2 + num_param_leaves]
+    assert len(whole_layer_ties) == LAYERS - 1
+
+
 @pytest.mark.parametrize("budget, count", [(0, 0), (BOUNDARY_BYTES - 1, 0), (BOUNDARY_BYTES, 1),
                                            (4 * BOUNDARY_BYTES + 7, 4), (10**9, LAYERS)])
 def test_host_budget_picks_as_many_as_fit(budget, count):

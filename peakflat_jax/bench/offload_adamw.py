@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import SingleDeviceSharding
 
+from peakflat_jax import memory
 from peakflat_jax.bench import harness
 from peakflat_jax.optim.offload_adamw import offload_stream_adamw
 
@@ -53,6 +54,7 @@ def _params(case, device, dtype):
 def run_case(case: dict) -> dict:
     device = jax.devices()[0]
     method = case["method"]
+    extra = {}
     if method == "host_cpu":
         device = jax.devices("cpu")[0]
         params = _params(case, device, jnp.float32)
@@ -91,7 +93,13 @@ def run_case(case: dict) -> dict:
         grads = _params(case, device, jnp.bfloat16)
         opt = offload_stream_adamw(1e-3, bucket_params=case["bucket_params"],
                                    slots=case["slots"])
-        state = opt.init(params)
+        state = jax.block_until_ready(opt.init(params))
+        # The allocator's peak never resets: what init reached is read here, so that a larger
+        # final peak can be told apart as the step's.
+        extra["peak_after_init_bytes"] = harness.peak_bytes_over([device])
+        plan = memory.compiled_memory(
+            opt._compile_step(device).lower(jax.tree.leaves(grads), state).compile())
+        extra["step_xla_temp_bytes"] = plan.temp
 
         def step(grads, state, _):
             params, state = opt.step(grads, state)
@@ -125,7 +133,7 @@ def run_case(case: dict) -> dict:
         return out
 
     timing = harness.time_call(run, warmup=1, repeats=case["repeats"])
-    return {"time_s": timing["median_s"], "time_min_s": timing["min_s"],
+    return {**extra, "time_s": timing["median_s"], "time_min_s": timing["min_s"],
             "time_max_s": timing["max_s"], "repeats": timing["repeats"],
             "peak_bytes": harness.peak_bytes_over([device]) if device.platform != "cpu"
             else None}
@@ -142,7 +150,7 @@ def summarize(record: dict) -> str:
     link = next((c for c in cases if c["method"] == "link" and "error" not in c), None)
     rows = []
     for case in cases:
-        label = case["method"] + (f" beta={case['bucket_params']:.0e} slots={case['slots']}"
+        label = case["method"] + (f" beta={case['bucket_params']:.3g} slots={case['slots']}"
                                   if case["method"] == "stream" else "")
         if "error" in case:
             rows.append([label, "OOM" if case.get("oom") else "error", "-", "-", "-"])

@@ -1,23 +1,308 @@
 """Grouped matmul for the expert FFN: rows sorted by group, one weight matrix per group.
 
 ``grouped_matmul(lhs [M, K], rhs [G, K, Nout], group_sizes [G]) -> [M, Nout]`` fp32: rows
-``sum(group_sizes[:g]) ...`` use ``rhs[g]``; rows past ``sum(group_sizes)`` give zeros (padding).
+``sum(group_sizes[:g]) ...`` use ``rhs[g]``; rows past ``sum(group_sizes)`` give zeros (padding)
+and get zero gradient. ``sum(group_sizes) <= M`` is the caller's promise (it is traced, so not
+checked). ``group_sizes`` gets no gradient.
 
-The portable path is ``jax.lax.ragged_dot``. It is exact and differentiable, but XLA lowers it
-densely (CPU: [G, M, K] temporaries; H200: a masked matmul at 45 TFLOP/s against 650 for the
-Mosaic GPU kernel jax ships, JAX-NOTES.md), so it suits tests and small shapes. The Mosaic GPU
-path (forward ``ragged_dot_mgpu``, weight gradient ``transposed_ragged_dot_mgpu``, under a
-custom VJP) is not built yet: it needs GPU time to tune and check.
+Two implementations, chosen per call by ``implementation`` (None: automatic):
+
+``"xla"``: ``jax.lax.ragged_dot`` with fp32 accumulation and output. Exact and differentiable by
+JAX's own rules, but XLA lowers it densely: on CPU with [G, M, K] temporaries, on an H200 as a
+masked dense matmul (a bf16 [65536, 65536] temporary at M = 65536, G = 16, K = 4096, N = 2048)
+that ran at 45 TFLOP/s against 650 for the Mosaic GPU forward kernel below (JAX-NOTES.md). It
+is the path off Hopper, in tests, and wherever the Mosaic constraints are not met.
+
+``"mosaic"``: a ``jax.custom_vjp`` of three Pallas Mosaic GPU kernels that jax ships
+(``jax.experimental.pallas.ops.gpu``):
+
+- forward: ``ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=...)``;
+- dx = dy @ rhs[g]^T: the same kernel with ``transpose_rhs=True`` on (dy, rhs), which reads
+  rhs [G, K, N] as [G, n=K, k=N] and contracts over N;
+- dW[g] = lhs_g^T @ dy_g: ``transposed_ragged_dot_mgpu.transposed_ragged_dot(lhs, dy, ...)``,
+  which takes lhs [M, K] and dy [M, N] grouped along M and returns [G, K, N].
+
+Numbers on the Mosaic path. The kernels accumulate in an fp32 wgmma accumulator but write their
+result in the input dtype, so each product is rounded once to bf16 (or f16) and then cast to
+the fp32 of this function's contract: the output differs from the XLA path by that rounding
+(relative ~2**-9 for bf16). The backward kernels need both operands in one dtype, so the fp32
+cotangent dy is rounded to the input dtype before them (the XLA path multiplies fp32 dy with
+the bf16 operand); dx and dW come back in the inputs' dtypes, rounded once, as on the XLA path.
+
+Padded rows on the Mosaic path. The forward kernel (and so dx) never writes rows past
+``sum(group_sizes)``: they hold whatever the buffer held, so they are selected to zero here (a
+select that XLA can fuse into the fp32 cast). dy's padded rows are zeroed before both backward
+kernels, so a cotangent there has no effect. The weight-gradient kernel masks a group's partial
+first and last ``block_k``-row blocks by *multiplying* lhs by 0, so lhs rows up to ``block_k``
+past ``sum(group_sizes)`` must be finite (an inf or NaN there would make dW NaN); the padding
+the MoE dispatch makes is finite, and zeroing it here would cost a pass over lhs.
+
+Mosaic constraints (``hopper_gpu_reason`` and ``mosaic_block_configs`` name the first one
+unmet; a forced ``"mosaic"`` raises with it):
+
+- a Hopper GPU (compute capability 9.x: H100, H200): the kernels use wgmma and TMA;
+- ``lhs.dtype == rhs.dtype`` in {bfloat16, float16};
+- each kernel's blocks divide its dimensions: the forward needs M % block_m, N % block_n and
+  K % block_k; dx needs M % block_m, K % block_n and N % block_k; dW needs K % block_m,
+  N % block_n and M % block_k (dW's blocks then never read past row M). The preferred blocks
+  are block_m = block_n = 128 and block_k = 64, with 6 pipeline stages and ``grid_block_n`` =
+  4, the fastest measured on an H200 for the forward at K = 4096, N = 2048; the backward kernels
+  use the same until ``scripts/probe_grouped_matmul.py`` tunes them. A dimension that a
+  preferred block does not divide takes the next smaller one (128 -> 64; block_k 64 -> 32), so
+  M, K and N that are multiples of 64, with K, N >= 128, always fit; nothing is padded;
+- at least two pipeline steps along the contraction of the forward and dx kernels
+  (K // block_k, N // block_k >= 2), since their pipelines hold back one stage;
+- the kernels are single-device custom calls: call under ``jax.shard_map`` (as the MoE layer
+  does), not on arrays GSPMD would have to partition.
+
+Status (2026-11-30): the Mosaic path has not yet run on a GPU; its custom VJP is tested on CPU
+with reference kernels in place of the Mosaic ones, and ``scripts/probe_grouped_matmul.py`` is
+the hardware check (exactness against fp32 matmuls, padded rows, speed against a dense batched
+matmul). Until that check has passed, ``implementation=None`` takes the XLA path everywhere
+(``AUTO_SELECTS_MOSAIC``); once it is on, None takes the Mosaic path when all the constraints
+hold, and on a Hopper GPU where a shape or dtype rules it out, the XLA path with a warning,
+since that is more than ten times slower there.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+IMPLEMENTATIONS = ("xla", "mosaic")
+# Off until scripts/probe_grouped_matmul.py has checked the kernels on an H200: an automatic
+# choice must not hand users a path no hardware has run.
+AUTO_SELECTS_MOSAIC = False
+MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Fallback ladders: the smaller blocks still give wgmma whole 64-row warpgroup tiles and TMA
+# copies of at least 64 bytes per row.
+BLOCK_MN_LADDER = (128, 64)
+BLOCK_K_LADDER = (64, 32)
 
-def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """``[M, Nout]`` fp32 products of row groups with their matrices (see module doc)."""
-    return lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
-                          preferred_element_type=jnp.float32)
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    """Keyword arguments of one Mosaic kernel. block_m and block_n tile the kernel's output,
+    block_k its contraction; max_concurrent_steps is the pipeline depth and grid_block_n the
+    width of the tile order's snake (L2 reuse)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    max_concurrent_steps: int = 6
+    grid_block_n: int = 4
+
+    def kwargs(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfigs:
+    """Blocks of the three kernels of one call."""
+
+    forward: BlockConfig
+    input_grad: BlockConfig
+    weight_grad: BlockConfig
+
+
+PREFERRED = MosaicConfigs(forward=BlockConfig(), input_grad=BlockConfig(),
+                          weight_grad=BlockConfig())
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmulKernels:
+    """The three kernels a custom-VJP grouped matmul is built from (``build_grouped_matmul``).
+    group_sizes is int32 [G]; rows past sum(group_sizes) of a kernel's [M, .] result may hold
+    anything (the Mosaic kernels leave them unwritten).
+
+    forward(lhs [M, K], rhs [G, K, N], group_sizes) -> [M, N]
+    input_grad(dy [M, N], rhs [G, K, N], group_sizes) -> [M, K], rows: dy_r @ rhs[g]^T
+    weight_grad(lhs [M, K], dy [M, N], group_sizes) -> [G, K, N], lhs_g^T @ dy_g; it is called
+    with dy's padded rows zeroed.
+    """
+
+    forward: Callable
+    input_grad: Callable
+    weight_grad: Callable
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                   implementation: str | None = None) -> jax.Array:
+    """``[M, Nout]`` fp32 products of row groups with their matrices (see module doc).
+
+    ``implementation``: ``"xla"`` (``lax.ragged_dot``), ``"mosaic"`` (the Hopper kernels; raises
+    where they cannot run) or None (Mosaic where it can run, else XLA, once
+    ``AUTO_SELECTS_MOSAIC`` is on; until then XLA).
+    """
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, "
+                         f"got {implementation!r}")
+    _check_operands(lhs, rhs, group_sizes)
+    group_sizes = group_sizes.astype(jnp.int32)
+    if implementation == "xla" or (implementation is None and not AUTO_SELECTS_MOSAIC):
+        return _xla_grouped_matmul(lhs, rhs, group_sizes)
+    platform_reason = hopper_gpu_reason()
+    configs = mosaic_block_configs(lhs.shape[0], lhs.shape[1], rhs.shape[2], lhs.dtype,
+                                   rhs.dtype)
+    if platform_reason is None and isinstance(configs, MosaicConfigs):
+        return build_grouped_matmul(mosaic_kernels(configs))(lhs, rhs, group_sizes)
+    reason = platform_reason or configs
+    if implementation == "mosaic":
+        error = RuntimeError if platform_reason else ValueError
+        raise error(f"grouped_matmul(implementation='mosaic') cannot run: {reason}")
+    if platform_reason is None:
+        warnings.warn(f"grouped_matmul: taking the slow dense lax.ragged_dot path on a Hopper "
+                      f"GPU because the Mosaic kernels cannot run: {reason}", stacklevel=2)
+    return _xla_grouped_matmul(lhs, rhs, group_sizes)
+
+
+def _xla_grouped_matmul(lhs, rhs, group_sizes):
+    return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+
+
+def _check_operands(lhs, rhs, group_sizes) -> None:
+    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(f"grouped_matmul needs lhs [M, K] and rhs [G, K, Nout], got "
+                         f"{lhs.shape} and {rhs.shape}")
+    if group_sizes.shape != (rhs.shape[0],) or not jnp.issubdtype(group_sizes.dtype,
+                                                                   jnp.integer):
+        raise ValueError(f"group_sizes must be integers of shape ({rhs.shape[0]},), got "
+                         f"{group_sizes.dtype}{list(group_sizes.shape)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# When the Mosaic path can run.
+
+
+def hopper_gpu_reason() -> str | None:
+    """None on a Hopper GPU (compute capability 9.x), else why the Mosaic kernels cannot run."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return (f"the Mosaic kernels need a Hopper GPU (H100/H200), and the default device is "
+                f"{device.platform} ({device.device_kind})")
+    capability = getattr(device, "compute_capability", None)
+    if capability is not None:
+        hopper = str(capability).split(".")[0] == "9"
+    else:
+        hopper = any(name in device.device_kind for name in ("H100", "H200", "H800", "H20"))
+    if not hopper:
+        return (f"the Mosaic kernels need a Hopper GPU (compute capability 9.x: H100/H200), and "
+                f"the default device is {device.device_kind} (compute capability {capability})")
+    return None
+
+
+def mosaic_block_configs(m: int, k: int, n: int, lhs_dtype, rhs_dtype,
+                         preferred: MosaicConfigs = PREFERRED) -> MosaicConfigs | str:
+    """The blocks of the three kernels for lhs [m, k] and rhs [G, k, n], taking the preferred
+    ones where they divide and the next smaller ones where not; or, where nothing fits, a string
+    naming the constraint unmet."""
+    lhs_dtype, rhs_dtype = jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype)
+    if lhs_dtype != rhs_dtype or lhs_dtype not in MOSAIC_DTYPES:
+        return (f"the Mosaic kernels need lhs and rhs of one dtype in "
+                f"{[str(d) for d in MOSAIC_DTYPES]}, got {lhs_dtype} and {rhs_dtype}")
+    # Each kernel as (rows, cols, contraction) of its own output and sum, with our names.
+    forward = _fit("forward", preferred.forward, ("M", m), ("N", n), ("K", k), min_steps=2)
+    input_grad = _fit("dx (forward kernel, transpose_rhs=True)", preferred.input_grad,
+                      ("M", m), ("K", k), ("N", n), min_steps=2)
+    weight_grad = _fit("dW (transposed_ragged_dot)", preferred.weight_grad, ("K", k), ("N", n),
+                       ("M", m), min_steps=1)
+    for fitted in (forward, input_grad, weight_grad):
+        if isinstance(fitted, str):
+            return fitted
+    return MosaicConfigs(forward=forward, input_grad=input_grad, weight_grad=weight_grad)
+
+
+def _ladder(preferred: int, ladder: tuple[int, ...]) -> tuple[int, ...]:
+    return (preferred, *(b for b in ladder if b < preferred))
+
+
+def _fit(kernel: str, preferred: BlockConfig, rows: tuple[str, int], cols: tuple[str, int],
+         contraction: tuple[str, int], *, min_steps: int) -> BlockConfig | str:
+    blocks = {}
+    for field, (name, size), ladder in (("block_m", rows, BLOCK_MN_LADDER),
+                                        ("block_n", cols, BLOCK_MN_LADDER),
+                                        ("block_k", contraction, BLOCK_K_LADDER)):
+        candidates = _ladder(getattr(preferred, field), ladder)
+        fitting = [b for b in candidates if size % b == 0]
+        if not fitting:
+            return (f"the {kernel} kernel needs {name} % {field} == 0 for a {field} in "
+                    f"{candidates}, and {name}={size}")
+        blocks[field] = fitting[0]
+    name, size = contraction
+    if size // blocks["block_k"] < min_steps:
+        return (f"the {kernel} kernel needs {name} // block_k >= {min_steps} pipeline steps, and "
+                f"{name}={size}, block_k={blocks['block_k']}")
+    # The tile order snakes over grid_block_n column tiles: halve it until it divides their
+    # count, so that every snake is whole (as when it was tuned).
+    column_tiles = cols[1] // blocks["block_n"]
+    grid_block_n = preferred.grid_block_n
+    while column_tiles % grid_block_n:
+        grid_block_n //= 2
+    return dataclasses.replace(preferred, grid_block_n=grid_block_n, **blocks)
+
+
+# ----------------------------------------------------------------------------------------------
+# The custom VJP, built from any three kernels (the Mosaic ones on a GPU; reference ones in the
+# CPU tests of the backward rule).
+
+
+@functools.lru_cache(maxsize=None)
+def mosaic_kernels(configs: MosaicConfigs) -> GroupedMatmulKernels:
+    """The three Mosaic GPU kernels with the given blocks (imported here: GPU-only code)."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+    def forward(lhs, rhs, group_sizes):
+        return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes,
+                                          **configs.forward.kwargs())
+
+    def input_grad(dy, rhs, group_sizes):
+        # rhs [G, K, N] read as [G, n=K, k=N]: dy [M, N] contracts with rhs[g] over N.
+        return ragged_dot_mgpu.ragged_dot(dy, rhs, group_sizes=group_sizes, transpose_rhs=True,
+                                          **configs.input_grad.kwargs())
+
+    def weight_grad(lhs, dy, group_sizes):
+        return transposed_ragged_dot_mgpu.transposed_ragged_dot(
+            lhs, dy, group_sizes=group_sizes, **configs.weight_grad.kwargs())
+
+    return GroupedMatmulKernels(forward=forward, input_grad=input_grad, weight_grad=weight_grad)
+
+
+@functools.lru_cache(maxsize=None)
+def build_grouped_matmul(kernels: GroupedMatmulKernels) -> Callable:
+    """``f(lhs, rhs, group_sizes int32) -> [M, N] fp32`` with a custom VJP from ``kernels``:
+    the output and dx masked to zero past sum(group_sizes), dy zeroed there before the backward
+    kernels, dx and dW in the dtypes of lhs and rhs, no gradient for group_sizes."""
+
+    def valid_rows(m, group_sizes):
+        return (jnp.arange(m, dtype=jnp.int32) < jnp.sum(group_sizes))[:, None]
+
+    def forward(lhs, rhs, group_sizes):
+        out = kernels.forward(lhs, rhs, group_sizes)
+        # A select, not a multiply: the unwritten rows may hold NaN.
+        return jnp.where(valid_rows(lhs.shape[0], group_sizes), out.astype(jnp.float32), 0.0)
+
+    @jax.custom_vjp
+    def grouped(lhs, rhs, group_sizes):
+        return forward(lhs, rhs, group_sizes)
+
+    def grouped_fwd(lhs, rhs, group_sizes):
+        return forward(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+    def grouped_bwd(residuals, d_out):
+        lhs, rhs, group_sizes = residuals
+        valid = valid_rows(lhs.shape[0], group_sizes)
+        # The kernels take one dtype: dy is rounded to the inputs' dtype, with its padded rows
+        # zeroed so that the weight-gradient kernel's partial last block adds nothing.
+        dy = jnp.where(valid, d_out, 0.0).astype(lhs.dtype)
+        dx = jnp.where(valid, kernels.input_grad(dy, rhs, group_sizes), 0.0).astype(lhs.dtype)
+        dw = kernels.weight_grad(lhs, dy, group_sizes).astype(rhs.dtype)
+        return dx, dw, None
+
+    grouped.defvjp(grouped_fwd, grouped_bwd)
+    return grouped

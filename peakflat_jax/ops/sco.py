@@ -15,12 +15,26 @@ layer's rematerialized intermediates:
 Why the copies can overlap compute: XLA overlaps host copies in straight-line code but not
 across while-loop iterations (JAX-NOTES.md: a scan emitting boundaries to host ran compute +
 copies serially; unrolled layers ran at link speed). So the layers are unrolled in Python and
-the transfers are placed explicitly, in forward and in backward. Optimization barriers tie each
-backward step to the previous one's cotangent: the prefetch of h_(l-1) starts when layer l's
-backward starts, not earlier (which would hold every boundary on the device at once), and no
-layer's recomputation is hoisted ahead of its turn. Whether this reaches "within 2% of no
-offload" is measured on an H200 by ``scripts/bench_sco.py`` (not yet run). On CPU the memory
-kinds lower to nothing, so tests check values and the placement of transfers in the jaxpr.
+the transfers are placed explicitly, in forward and in backward; XLA's scheduler is otherwise
+free, and three optimization barriers keep it from undoing the bound (each was missing once,
+and an H200 showed what XLA did without it):
+
+- forward: boundary l's device-to-host copy is tied to layer l's output, so it runs while
+  layer l computes and is done before layer l + 1 starts. Untied, XLA sank every copy into the
+  backward pass and kept all boundaries on the device until then;
+- backward: the restore of h_(l-1) is issued when layer l's backward starts, not earlier
+  (which would hold every boundary on the device at once);
+- backward: layer l's recompute waits for the whole backward of layer l + 1, its parameter
+  gradients included. Untied, XLA deferred weight-gradient matmuls and kept several layers'
+  activations alive: 24 layers of N = 65,536, H = 4096 asked for 114 GiB with 12 boundaries
+  offloaded, against a 46 GB peak for the checkpointed scan.
+
+Measured on one H200 (scripts/results/sco_gpu_*.json, sco_probe_gpu_*.json), before the
+third barrier: offloading cost no step time (24 layers, 12 offloaded: 10.26 s against the
+scan's 10.25 s; 6 layers, all offloaded, forward ties in place: 45.9 ms against 46.3 ms), but
+the peak rose instead of falling, as described above. Peak and time with all three barriers
+are not yet measured. On CPU the memory kinds lower to nothing, so tests check values, the placement of
+transfers and the barriers' ties in the jaxpr.
 
 Legend: L layers, N tokens, H hidden, b bytes per element of h.
 """
@@ -154,7 +168,14 @@ def _sco_scan_bwd(layer_fn, chosen, residuals, d_h):
     d_params = []
     incoming = restore(num_layers - 1, d_h)
     for layer in reversed(range(num_layers)):
-        h_in, d_h = lax.optimization_barrier((incoming, d_h))  # not before layer + 1 is done
+        # Layer l's recompute waits for all of layer l + 1's backward: its input cotangent and
+        # its parameter gradients. Untied, XLA deferred each layer's weight-gradient matmuls to
+        # the end and kept their inputs, several layers' activations, alive (H200: the plan
+        # grew by gigabytes per layer).
+        h_in, d_h, d_previous = lax.optimization_barrier(
+            (incoming, d_h, d_params[-1] if d_params else ()))
+        if d_params:
+            d_params[-1] = d_previous
         if layer > 0:
             incoming = restore(layer - 1, d_h)  # overlaps this layer's recompute and backward
         _, vjp = jax.vjp(layer_fn, h_in, _layer_params(stacked_params, layer))

@@ -1,0 +1,242 @@
+"""grouped_matmul: the CPU path is lax.ragged_dot; the choice of implementation and its errors;
+the block choice; the custom VJP's rule (built from reference kernels) against float64."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from peakflat_jax.ops import grouped_matmul as gm
+
+TOL = 1e-5  # fp32 with K <= 16 against float64: max error relative to the largest entry
+
+# (group sizes, M): empty groups, padded rows (sum < M), one group holding every row.
+GROUPINGS = [((7, 0, 13, 1, 9), 40), ((10, 10, 10, 10), 40), ((0, 0, 40, 0), 40),
+             ((0, 0, 0), 8)]
+
+
+def draw(rng, sizes, m, k=16, n=12, dtype=jnp.float32):
+    x = rng.standard_normal((m, k))
+    w = rng.standard_normal((len(sizes), k, n)) / np.sqrt(k)
+    ct = rng.standard_normal((m, n))
+    return (jnp.asarray(x, dtype), jnp.asarray(w, dtype), jnp.asarray(sizes, jnp.int32),
+            jnp.asarray(ct, jnp.float32))
+
+
+def reference64(x, w, sizes, ct):
+    """Output, dx and dW of sum(out * ct) in float64, group by group."""
+    x, w, ct = (np.asarray(a, np.float64) for a in (x, w, ct))
+    out, dx, dw = np.zeros((x.shape[0], w.shape[2])), np.zeros_like(x), np.zeros_like(w)
+    start = 0
+    for g, size in enumerate(np.asarray(sizes)):
+        rows = slice(start, start + size)
+        out[rows], dx[rows], dw[g] = x[rows] @ w[g], ct[rows] @ w[g].T, x[rows].T @ ct[rows]
+        start += size
+    return out, dx, dw
+
+
+def max_relative_error(actual, expected) -> float:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    scale = np.abs(expected).max()
+    return float(np.abs(actual - expected).max() / (scale if scale > 0 else 1.0))
+
+
+def value_and_grads(fn, x, w, sizes, ct):
+    out, vjp = jax.vjp(lambda x, w: fn(x, w, sizes), x, w)
+    return (out, *vjp(ct))
+
+
+# Reference kernels with the Mosaic kernels' contracts (GroupedMatmulKernels): rows past
+# sum(group_sizes) of forward and input_grad come back as NaN (the Mosaic kernels leave them
+# unwritten), and weight_grad masks rows by multiplying, as the Mosaic kernel does with its
+# partial blocks, so that a non-zero or NaN dy in a padded row would leak into dW.
+
+
+def row_groups(m, sizes):
+    """Each row's group, G for rows past sum(sizes)."""
+    return jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(m), side="right")
+
+
+def garbage_past_end(result, sizes):
+    return jnp.where((row_groups(result.shape[0], sizes) < sizes.shape[0])[:, None], result,
+                     jnp.nan)
+
+
+def ref_forward(lhs, rhs, sizes):
+    return garbage_past_end(lax.ragged_dot(lhs, rhs, sizes, precision=lax.Precision.HIGHEST,
+                                           preferred_element_type=jnp.float32), sizes)
+
+
+def ref_input_grad(dy, rhs, sizes):
+    return garbage_past_end(lax.ragged_dot(dy, jnp.swapaxes(rhs, 1, 2), sizes,
+                                           precision=lax.Precision.HIGHEST,
+                                           preferred_element_type=jnp.float32), sizes)
+
+
+def ref_weight_grad(lhs, dy, sizes):
+    member = (row_groups(lhs.shape[0], sizes)[:, None] == jnp.arange(sizes.shape[0]))
+    return jnp.einsum("mg,mk,mn->gkn", member.astype(jnp.float32), lhs.astype(jnp.float32),
+                      dy.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+
+
+REF_KERNELS = gm.GroupedMatmulKernels(forward=ref_forward, input_grad=ref_input_grad,
+                                      weight_grad=ref_weight_grad)
+
+
+# ----------------------------------------------------------------------------------------------
+# The paths on CPU.
+
+
+@pytest.mark.parametrize("sizes,m", GROUPINGS)
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_cpu_path_is_ragged_dot(rng, sizes, m, implementation):
+    x, w, sizes, ct = draw(rng, sizes, m)
+    expected = value_and_grads(lambda x, w, s: lax.ragged_dot(
+        x, w, s, preferred_element_type=jnp.float32), x, w, sizes, ct)
+    actual = value_and_grads(jax.jit(lambda x, w, s: gm.grouped_matmul(
+        x, w, s, implementation=implementation)), x, w, sizes, ct)
+    for a, e in zip(actual, expected):
+        np.testing.assert_array_equal(a, e)
+    total = int(np.sum(sizes))
+    assert actual[0].dtype == jnp.float32 and not np.any(np.asarray(actual[0])[total:])
+    for a, r in zip(actual, reference64(x, w, sizes, ct)):
+        assert max_relative_error(a, r) < TOL
+
+
+def test_cpu_path_bf16_output_is_fp32(rng):
+    x, w, sizes, _ = draw(rng, (5, 3), 10, dtype=jnp.bfloat16)
+    out = gm.grouped_matmul(x, w, sizes.astype(jnp.int16))
+    assert out.dtype == jnp.float32 and out.shape == (10, 12)
+    np.testing.assert_array_equal(out, lax.ragged_dot(x, w, sizes,
+                                                      preferred_element_type=jnp.float32))
+
+
+def test_automatic_choice_stays_on_xla_until_the_gpu_check(rng, monkeypatch):
+    monkeypatch.setattr(gm, "hopper_gpu_reason", lambda: None)
+    monkeypatch.setattr(gm, "mosaic_kernels", lambda configs: pytest.fail("took Mosaic"))
+    x, w, sizes, _ = draw(rng, (100, 0, 60), 192, k=128, n=128, dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(gm.grouped_matmul(x, w, sizes), lax.ragged_dot(
+        x, w, sizes, preferred_element_type=jnp.float32))
+
+
+def test_bad_implementation(rng):
+    x, w, sizes, _ = draw(rng, (3, 5), 8)
+    with pytest.raises(ValueError, match="implementation"):
+        gm.grouped_matmul(x, w, sizes, implementation="cuda")
+
+
+def test_mosaic_on_cpu_says_why(rng):
+    x, w, sizes, _ = draw(rng, (64, 64), 128, k=128, n=128, dtype=jnp.bfloat16)
+    with pytest.raises(RuntimeError, match="Hopper GPU.*cpu"):
+        gm.grouped_matmul(x, w, sizes, implementation="mosaic")
+
+
+def test_bad_operands(rng):
+    x, w, sizes, _ = draw(rng, (3, 5), 8)
+    with pytest.raises(ValueError, match="group_sizes"):
+        gm.grouped_matmul(x, w, sizes[:1])
+    with pytest.raises(ValueError, match="lhs"):
+        gm.grouped_matmul(x[:, :3], w, sizes)
+
+
+# ----------------------------------------------------------------------------------------------
+# The blocks of the Mosaic kernels.
+
+
+def test_blocks_of_the_expert_shape():
+    configs = gm.mosaic_block_configs(65536, 7168, 2048, jnp.bfloat16, jnp.bfloat16)
+    assert configs == gm.PREFERRED
+    assert configs.forward == gm.BlockConfig(128, 128, 64, 6, 4)
+
+
+def test_blocks_fall_back_to_smaller():
+    # M = 64*65, K = 64*17, N = 64*9: every 128 falls to 64; 9 column tiles take grid_block_n 1.
+    configs = gm.mosaic_block_configs(4160, 1088, 576, jnp.bfloat16, jnp.bfloat16)
+    assert configs.forward == gm.BlockConfig(64, 64, 64, 6, 1)
+    assert configs.input_grad == gm.BlockConfig(64, 64, 64, 6, 1)  # columns: K = 17 tiles
+    assert configs.weight_grad == gm.BlockConfig(64, 64, 64, 6, 1)
+    configs = gm.mosaic_block_configs(256, 128, 96 * 2, jnp.float16, jnp.float16)
+    assert configs.forward == gm.BlockConfig(128, 64, 64, 6, 1)
+    assert configs.input_grad == gm.BlockConfig(128, 128, 64, 6, 1)
+    assert configs.weight_grad == gm.BlockConfig(128, 64, 64, 6, 1)
+
+
+@pytest.mark.parametrize("shape,dtypes,match", [
+    ((256, 96, 128), ("bfloat16",) * 2, r"dx .*K % block_n == 0.*K=96"),
+    ((256, 128, 100), ("bfloat16",) * 2, r"forward kernel needs N % block_n == 0.*N=100"),
+    ((200, 128, 128), ("bfloat16",) * 2, r"forward kernel needs M % block_m == 0.*M=200"),
+    ((256, 64, 128), ("bfloat16",) * 2, r"forward kernel needs K // block_k >= 2"),
+    ((256, 128, 128), ("float32",) * 2, r"one dtype in .*float32"),
+    ((256, 128, 128), ("bfloat16", "float16"), r"one dtype in .*bfloat16 and float16"),
+])
+def test_blocks_name_the_unmet_constraint(shape, dtypes, match):
+    reason = gm.mosaic_block_configs(*shape, *dtypes)
+    assert isinstance(reason, str)
+    assert re.search(match, reason), reason
+
+
+# ----------------------------------------------------------------------------------------------
+# The custom VJP's rule, built from the reference kernels.
+
+
+@pytest.mark.parametrize("sizes,m", GROUPINGS)
+def test_custom_vjp_rule_against_float64(rng, sizes, m):
+    x, w, sizes, ct = draw(rng, sizes, m)
+    total = int(np.sum(sizes))
+    # A cotangent on the padded rows must not reach dx or dW, even a NaN.
+    ct_padded = ct.at[total:].set(jnp.nan)
+    fn = jax.jit(gm.build_grouped_matmul(REF_KERNELS))
+    out, dx, dw = value_and_grads(fn, x, w, sizes, ct_padded)
+    for name, a, r in zip(("out", "dx", "dw"), (out, dx, dw), reference64(x, w, sizes, ct)):
+        assert a.dtype == jnp.float32 and a.shape == r.shape
+        assert max_relative_error(a, r) < TOL, name
+    assert not np.any(np.asarray(out)[total:]) and not np.any(np.asarray(dx)[total:])
+    for g in np.flatnonzero(np.asarray(sizes) == 0):
+        assert not np.any(np.asarray(dw)[g])
+    # value_and_grad through the rule, with no gradient for the sizes
+    loss = lambda x, w: jnp.sum(fn(x, w, sizes) * ct)  # noqa: E731
+    value, grads = jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(grads[0], dx, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(grads[1], dw, rtol=1e-6, atol=1e-6)
+    assert jax.vjp(fn, x, w, sizes)[1](ct)[2].dtype == jax.dtypes.float0
+
+
+def test_custom_vjp_rule_bf16_dtypes(rng):
+    x, w, sizes, ct = draw(rng, (50, 14), 80, dtype=jnp.bfloat16)
+    out, dx, dw = value_and_grads(gm.build_grouped_matmul(REF_KERNELS), x, w, sizes, ct)
+    assert (out.dtype, dx.dtype, dw.dtype) == (jnp.float32, jnp.bfloat16, jnp.bfloat16)
+    for a, r in zip((out, dx, dw), reference64(x, w, sizes, ct)):
+        assert max_relative_error(a, r) < 2e-2  # dy, dx and dW each rounded to bf16 once
+
+
+def test_dispatch_on_a_hopper(rng, monkeypatch):
+    """With the platform check and the kernels replaced, the automatic choice takes the custom
+    VJP with the blocks the shapes allow, and falls back with a warning where none fit."""
+    built = []
+
+    def fake_kernels(configs):
+        built.append(configs)
+        return REF_KERNELS
+
+    monkeypatch.setattr(gm, "AUTO_SELECTS_MOSAIC", True)
+    monkeypatch.setattr(gm, "hopper_gpu_reason", lambda: None)
+    monkeypatch.setattr(gm, "mosaic_kernels", fake_kernels)
+    x, w, sizes, ct = draw(rng, (100, 0, 60), 192, k=128, n=128, dtype=jnp.bfloat16)
+    out, dx, dw = value_and_grads(gm.grouped_matmul, x, w, sizes, ct)
+    assert built == [gm.mosaic_block_configs(192, 128, 128, jnp.bfloat16, jnp.bfloat16)]
+    assert built[0].forward == gm.BlockConfig(64, 128, 64, 6, 1)
+    for a, r in zip((out, dx, dw), reference64(x, w, sizes, ct)):
+        assert max_relative_error(a, r) < 2e-2
+    assert not np.any(np.asarray(out)[160:]) and not np.any(np.asarray(dx)[160:])
+
+    x32 = x.astype(jnp.float32)
+    with pytest.warns(UserWarning, match="slow dense lax.ragged_dot.*dtype"):
+        out = gm.grouped_matmul(x32, w.astype(jnp.float32), sizes)
+    np.testing.assert_array_equal(out, lax.ragged_dot(x32, w.astype(jnp.float32), sizes,
+                                                      preferred_element_type=jnp.float32))
+    with pytest.raises(ValueError, match=r"implementation='mosaic'\) cannot run.*dtype"):
+        gm.grouped_matmul(x32, w, sizes, implementation="mosaic")
+    assert len(built) == 1
