@@ -5,6 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import make_mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import peakflat_jax as pf
 
@@ -186,3 +189,120 @@ def test_state_of_another_layout_is_refused(rng, tmp_path):
 def test_numpy_scalars_are_accepted():
     opt = pf.offload_stream_adamw(np.float32(1e-3), b1=np.float64(0.9), eps=np.float32(1e-8))
     assert opt.learning_rate == pytest.approx(1e-3)
+
+
+# -- FSDP: params sharded over a mesh; each device streams the state of its own shards ----------
+
+FSDP_SPECS = {"embed": P("data", None), "w": P(None, "model"), "both": P(("data", "model")),
+              "bias": P(), "scale": P()}
+
+
+def sharded_params(rng, mesh):
+    arrays = {"embed": rng.standard_normal((12, 16)), "w": rng.standard_normal((16, 20)),
+              "both": rng.standard_normal((40,)), "bias": rng.standard_normal((24,)),
+              "scale": rng.standard_normal(())}
+    dtypes = {"embed": jnp.bfloat16, "w": jnp.bfloat16, "both": jnp.float32,
+              "bias": jnp.float32, "scale": jnp.float32}
+    return {k: jax.device_put(jnp.asarray(a, dtypes[k]), NamedSharding(mesh, FSDP_SPECS[k]))
+            for k, a in arrays.items()}
+
+
+def sharded_grads(rng, params):
+    return jax.tree.map(lambda p: jax.device_put(
+        jnp.asarray(rng.standard_normal(p.shape), p.dtype), p.sharding), params)
+
+
+@pytest.mark.parametrize("bucket_params, slots, max_grad_norm", [(1000, 2, None), (7, 1, None),
+                                                                 (30, 3, 2.0)])
+def test_fsdp_matches_optax_adamw(rng, bucket_params, slots, max_grad_norm):
+    mesh = make_mesh(("data", 2), ("model", 4))
+    params = sharded_params(rng, mesh)
+    hyper = dict(b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 6)
+    opt = pf.offload_stream_adamw(schedule, bucket_params=bucket_params, slots=slots,
+                                  max_grad_norm=max_grad_norm, **hyper)
+    state = opt.init(params)
+    reference = optax.adamw(schedule, mu_dtype=jnp.float32, **hyper)
+    if max_grad_norm is not None:
+        reference = optax.chain(optax.clip_by_global_norm(max_grad_norm), reference)
+    master = jax.tree.map(lambda p: np.asarray(p, np.float32), params)
+    reference_state = reference.init(master)
+    for _ in range(4):
+        grads = sharded_grads(rng, params)
+        params, state = opt.step(grads, state)
+        updates, reference_state = reference.update(
+            jax.tree.map(lambda g: np.asarray(g, np.float32), grads), reference_state, master)
+        master = optax.apply_updates(master, updates)
+        ours = opt.master_params(state)
+        assert_tree_close(ours, master, rtol=1e-6)
+        for key, leaf in params.items():  # working params: the master cast, placed as before
+            assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, FSDP_SPECS[key]), leaf.ndim)
+            np.testing.assert_array_equal(leaf, ours[key].astype(leaf.dtype))
+            assert ours[key].sharding.is_equivalent_to(leaf.sharding, leaf.ndim)
+
+
+def test_fsdp_state_is_one_piece_per_device_and_the_step_moves_nothing_between_them(rng):
+    mesh = make_mesh(("data", 2), ("model", 4))
+    params = sharded_params(rng, mesh)
+    opt = pf.offload_stream_adamw(1e-3, bucket_params=50)
+    state = opt.init(params)
+    # Per device: 12*16/2 + 16*20/4 + 40/8 + 24 + 1 = 96 + 80 + 5 + 25 = 206 elements.
+    assert [a.shape for a in state.master] == [(8 * 50,)] * 4 + [(8 * 6,)]
+    for array in (*state.master, *state.mu, *state.nu):
+        assert array.sharding.memory_kind == "pinned_host"
+        assert {s.data.shape for s in array.addressable_shards} == {(array.shape[0] // 8,)}
+    grads = sharded_grads(rng, params)
+    text = opt._compile_step().lower(jax.tree.leaves(grads), state).compile().as_text()
+    for collective in ("all-gather", "all-to-all", "collective-permute", "all-reduce",
+                       "reduce-scatter"):
+        assert collective not in text, collective
+    # With clipping, the global norm is the one thing the devices share: a scalar all-reduce.
+    clipped = pf.offload_stream_adamw(1e-3, bucket_params=50, max_grad_norm=1.0)
+    clipped_state = clipped.init(params)
+    text = clipped._compile_step().lower(jax.tree.leaves(grads), clipped_state).compile().as_text()
+    reduces = [line for line in text.splitlines() if " all-reduce(" in line]
+    assert reduces and all("f32[] all-reduce(" in line for line in reduces), reduces
+    assert "all-gather" not in text and "all-to-all" not in text
+
+
+def test_fsdp_checkpoint_round_trip(rng, tmp_path):
+    mesh = make_mesh(("data", 2), ("model", 4))
+    params = sharded_params(rng, mesh)
+    grads = [sharded_grads(rng, params) for _ in range(3)]
+    opt = pf.offload_stream_adamw(1e-2, bucket_params=64)
+    state = opt.init(params)
+    params, state = opt.step(grads[0], state)
+    opt.save(tmp_path / "ckpt", state)
+    straight_params, straight = params, state
+    for g in grads[1:]:
+        straight_params, straight = opt.step(g, straight)
+    fresh = pf.offload_stream_adamw(1e-2, bucket_params=64)
+    fresh.init(params)
+    resumed = fresh.restore(tmp_path / "ckpt")
+    assert all(a.sharding.is_equivalent_to(straight.master[0].sharding, 1) for a in resumed.master)
+    for g in grads[1:]:
+        params, resumed = fresh.step(g, resumed)
+    assert_tree_close(fresh.master_params(resumed), opt.master_params(straight), rtol=0)
+    assert_tree_close(params, straight_params, rtol=0)
+
+
+def test_placements_that_cannot_work_are_refused(rng):
+    mesh = make_mesh(("data", 2), ("model", 4))
+    params = sharded_params(rng, mesh)
+    opt = pf.offload_stream_adamw(1e-3)
+    state = opt.init(params)
+    resharded = {**sharded_grads(rng, params)}
+    resharded["w"] = jax.device_put(resharded["w"], NamedSharding(mesh, P("model", None)))
+    with pytest.raises(ValueError, match="grads: expected them placed like the params"):
+        opt.step(resharded, state)
+    on_one_device = jax.tree.map(lambda g: jax.device_put(g, jax.devices()[0]),
+                                 sharded_grads(rng, params))
+    with pytest.raises(ValueError, match="grads"):
+        opt.step(on_one_device, state)
+    mixed = {"a": jnp.ones(4), "b": jax.device_put(jnp.ones(8), NamedSharding(mesh, P("data")))}
+    with pytest.raises(ValueError, match="params: expected every leaf"):
+        opt.init(mixed)
+    spread = {"a": jax.device_put(jnp.ones(4), jax.devices()[0]),
+              "b": jax.device_put(jnp.ones(4), jax.devices()[1])}
+    with pytest.raises(ValueError, match="params: expected every leaf on one device"):
+        opt.init(spread)

@@ -98,7 +98,7 @@ def run_case(case: dict) -> dict:
         # final peak can be told apart as the step's.
         extra["peak_after_init_bytes"] = harness.peak_bytes_over([device])
         plan = memory.compiled_memory(
-            opt._compile_step(device).lower(jax.tree.leaves(grads), state).compile())
+            opt._compile_step().lower(jax.tree.leaves(grads), state).compile())
         extra["step_xla_temp_bytes"] = plan.temp
 
         def step(grads, state, _):

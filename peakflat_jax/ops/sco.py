@@ -33,8 +33,8 @@ Measured on one H200 (scripts/results/sco_gpu_*.json, sco_probe_gpu_*.json), bef
 third barrier: offloading cost no step time (24 layers, 12 offloaded: 10.26 s against the
 scan's 10.25 s; 6 layers, all offloaded, forward ties in place: 45.9 ms against 46.3 ms), but
 the peak rose instead of falling, as described above. Peak and time with all three barriers
-are not yet measured. On CPU the memory kinds lower to nothing, so tests check values, the placement of
-transfers and the barriers' ties in the jaxpr.
+are not yet measured. On CPU the memory kinds lower to nothing, so tests check values, the
+placement of transfers and the barriers' ties in the jaxpr.
 
 Legend: L layers, N tokens, H hidden, b bytes per element of h.
 """

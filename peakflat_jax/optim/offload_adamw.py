@@ -11,14 +11,28 @@ whole-array copies (JAX-NOTES.md).
 One jitted step, buckets unrolled: for each bucket, copy (master, mu, nu) host -> device
 (``device_put`` to ``Space.Device`` inside jit, the fast path), apply AdamW with the bucket's
 gradient pieces, write the new working parameters, and copy the state back (``Space.Host``).
-Bucket i's host copies wait on bucket i - slots's write-back (an optimization barrier), so at
-most ``slots`` buckets are staged on the device:
+Bucket i's host copies wait on bucket i - slots's write-back (an optimization barrier), so that
+at most ``slots`` buckets should be staged on the device:
 
-    staging <= slots * bucket_params * 16 bytes   (master, mu, nu and the fp32 gradient)
+    staging ~ slots * bucket_params * 16 bytes   (master, mu, nu and the fp32 gradient)
 
-Whether XLA then overlaps bucket i+1's copy with bucket i's update at link speed is measured on
-an H200 by ``scripts/bench_offload_adamw.py`` (not yet run). On CPU the memory kinds exist but
-the copies lower to nothing: tests check the numbers, not the transfers.
+Why it is fast: every copy is a whole array placed by XLA inside one program, so the copies run
+at link speed and overlap the updates; the buckets are separate host arrays because slicing
+one host array in a loop falls to 5 GB/s. Measured on one H200 with 2e9 parameters
+(scripts/results/offload_adamw_gpu_20261130-045155.json): 0.780 s per step at 2.5e8 x 2
+slots (48 GB moved, 61.5 GB/s), against 0.872 s for moving the whole state and 2.53 s for
+optax.adamw on 16 host cores. The staging, measured as the allocator's peak less the params,
+grads and new params, was 2.2 and 3.4 GiB at 1e8 x 1 and x 2 slots (formula: 1.5 and 3.0), but
+10.2 and 12.1 GiB at 2.5e8 (formula: 3.7 and 7.5): the bound above is not yet enforced for
+large buckets (that peak also includes ``init``). On CPU the memory kinds exist but the copies
+lower to nothing: tests check the numbers, not the transfers.
+
+FSDP. Params (and grads, placed alike) may be NamedShardings on one mesh. The buckets are then
+cut from each device's own shards, and each bucket of the state is one global array of
+``num_devices * bucket`` elements, a piece per device in host memory. Each device updates only
+its shards (``shard_map``): the step moves nothing between devices except, with clipping, the
+scalar global norm (an all-reduce). Replicated leaves are updated identically on every device
+that holds them. Unsharded params run the same code on a one-device mesh.
 
 The update is optax.adamw's, operation for operation (``mu_dtype=float32``): after every step the
 master equals optax.adamw applied to fp32 parameters with the same gradients upcast to fp32
@@ -31,6 +45,7 @@ Legend: P parameters in all, beta = bucket_params, s = slots.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import pathlib
@@ -42,7 +57,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax import lax
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 from peakflat_jax._validate import as_int
 
@@ -60,19 +76,75 @@ class _Piece:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Placement:
+    """Where the leaves live: a mesh, each leaf's PartitionSpec on it, and the shape of the
+    shard each device holds. Unsharded params live on a one-device mesh, so one code path serves
+    both. Every device streams the state of its own shards (FSDP: each updates its part)."""
+
+    mesh: Mesh
+    specs: tuple[P, ...]
+    local_shapes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, leaves, what: str = "params") -> _Placement:
+        shardings = [leaf.sharding for leaf in leaves]
+        if all(isinstance(s, SingleDeviceSharding) for s in shardings):
+            devices = {d for s in shardings for d in s.device_set}
+            if len(devices) != 1:
+                raise ValueError(f"{what}: expected every leaf on one device or on one mesh, "
+                                 f"got leaves on {len(devices)} devices")
+            mesh = Mesh(np.array(list(devices)), ("device",))
+            return cls(mesh, tuple(P() for _ in leaves), tuple(leaf.shape for leaf in leaves))
+        meshes = {s.mesh for s in shardings if isinstance(s, NamedSharding)}
+        if len(meshes) != 1 or not all(isinstance(s, NamedSharding) for s in shardings):
+            raise ValueError(f"{what}: expected every leaf to be a NamedSharding on one mesh "
+                             f"(or every leaf on one device), got {sorted(map(str, shardings))}")
+        mesh = meshes.pop()
+        return cls(mesh, tuple(s.spec for s in shardings),
+                   tuple(tuple(s.shard_shape(leaf.shape)) for s, leaf in zip(shardings, leaves)))
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.devices.size
+
+    @property
+    def flat_spec(self) -> P:
+        """The state's spec: one flat axis split over every mesh axis, a piece per device."""
+        return P(tuple(self.mesh.axis_names))
+
+    def state_sharding(self, memory_kind: str) -> NamedSharding:
+        return NamedSharding(self.mesh, self.flat_spec, memory_kind=memory_kind)
+
+    def leaf_shardings(self) -> list[NamedSharding]:
+        return [NamedSharding(self.mesh, spec) for spec in self.specs]
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def local(self, fn, in_specs, out_specs):
+        """``fn`` on each device's shards (shard_map over the whole mesh)."""
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Layout:
-    """Where every parameter sits: buckets of a flat vector over the leaves in tree order."""
+    """Where every parameter sits: buckets of a flat vector over the leaves in tree order. On a
+    mesh, the leaves are each device's shards, and a bucket of the state is a global array of
+    ``num_devices * bucket_size`` elements, one piece per device."""
 
     treedef: Any
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[Any, ...]
+    placement: _Placement
     bucket_sizes: tuple[int, ...]
     buckets: tuple[tuple[_Piece, ...], ...]
 
     @classmethod
     def of(cls, params, bucket_params: int) -> _Layout:
         leaves, treedef = jax.tree.flatten(params)
-        sizes = [math.prod(leaf.shape) for leaf in leaves]
+        placement = _Placement.of(leaves)
+        sizes = [math.prod(shape) for shape in placement.local_shapes]
         total = sum(sizes)
         bucket_sizes = [min(bucket_params, total - start) for start in range(0, total,
                                                                                 bucket_params)]
@@ -87,23 +159,25 @@ class _Layout:
                     pieces.append(_Piece(leaf, int(a - start), int(a - lo), int(z - a)))
             buckets.append(tuple(pieces))
         return cls(treedef, tuple(leaf.shape for leaf in leaves),
-                   tuple(jnp.dtype(leaf.dtype) for leaf in leaves), tuple(bucket_sizes),
-                   tuple(buckets))
+                   tuple(jnp.dtype(leaf.dtype) for leaf in leaves), placement,
+                   tuple(bucket_sizes), tuple(buckets))
 
-    def gather(self, leaves, bucket: int, dtype=jnp.float32) -> jax.Array:
-        """Bucket ``bucket`` of the flat vector of ``leaves``, as ``dtype``."""
-        parts = [leaves[p.leaf].reshape(-1)[p.leaf_start:p.leaf_start + p.size].astype(dtype)
-                 for p in self.buckets[bucket]]
+    def gather(self, local_leaves, bucket: int, dtype=jnp.float32) -> jax.Array:
+        """Bucket ``bucket`` of the flat vector of this device's shards, as ``dtype``."""
+        parts = [local_leaves[p.leaf].reshape(-1)[p.leaf_start:p.leaf_start + p.size]
+                 .astype(dtype) for p in self.buckets[bucket]]
         return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
-    def scatter(self, buckets: list[jax.Array]) -> list[jax.Array]:
-        """The leaves (in their dtypes and shapes) from the buckets of a flat vector."""
+    def scatter(self, buckets: list[jax.Array], dtypes=None) -> list[jax.Array]:
+        """This device's shards (in ``dtypes``, default the leaves', and their local shapes)
+        from its pieces of the buckets."""
+        dtypes = self.dtypes if dtypes is None else dtypes
         parts: list[list[tuple[int, jax.Array]]] = [[] for _ in self.shapes]
         for bucket, pieces in zip(buckets, self.buckets):
             for p in pieces:
                 parts[p.leaf].append((p.leaf_start, bucket[p.bucket_start:p.bucket_start + p.size]))
         leaves = []
-        for shape, dtype, leaf_parts in zip(self.shapes, self.dtypes, parts):
+        for shape, dtype, leaf_parts in zip(self.placement.local_shapes, dtypes, parts):
             if not leaf_parts:  # a leaf of size zero lies in no bucket
                 leaves.append(jnp.zeros(shape, dtype))
                 continue
@@ -111,14 +185,17 @@ class _Layout:
             leaves.append(flat.astype(dtype).reshape(shape))
         return leaves
 
+    def state_shapes(self) -> tuple[tuple[int], ...]:
+        return tuple((self.placement.num_devices * n,) for n in self.bucket_sizes)
+
     def check(self, state: OffloadAdamWState) -> None:
         """Raises unless ``state`` was made for this layout (the same buckets)."""
         shapes = tuple(tuple(a.shape) for a in state.master)
-        if shapes != tuple((n,) for n in self.bucket_sizes) or not (
-                len(state.mu) == len(state.nu) == len(shapes)):
-            raise ValueError(f"state: expected {len(self.bucket_sizes)} buckets of sizes "
-                             f"{self.bucket_sizes} (from the last init), got {shapes}: a state "
-                             f"of another optimizer, params tree or bucket_params")
+        if shapes != self.state_shapes() or not (len(state.mu) == len(state.nu) == len(shapes)):
+            raise ValueError(f"state: expected {len(self.bucket_sizes)} buckets of "
+                             f"{self.placement.num_devices} x {self.bucket_sizes} elements (from "
+                             f"the last init), got {shapes}: a state of another optimizer, params "
+                             f"tree, sharding or bucket_params")
 
 
 @jax.tree_util.register_dataclass
@@ -167,45 +244,45 @@ class OffloadStreamAdamW:
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.bucket_params, self.slots = int(bucket_params), int(slots)
         self._layout: _Layout | None = None
-        self._device = None
         self._step_fn = None
-
-    # -- placement ------------------------------------------------------------------------------
-
-    @staticmethod
-    def _host(device) -> SingleDeviceSharding:
-        return SingleDeviceSharding(device, memory_kind="pinned_host")
 
     def init(self, params) -> OffloadAdamWState:
         """fp32 master copies of ``params`` and zero moments, in host memory.
 
-        It binds this optimizer to the params' structure: states from an earlier ``init`` with
-        another structure are refused afterwards."""
+        ``params`` live on one device, or as NamedShardings on one mesh (FSDP); each device
+        then keeps the state of its own shards. It binds this optimizer to the params'
+        structure and placement: states from an earlier ``init`` with another are refused."""
         if not any(math.prod(leaf.shape) for leaf in jax.tree.leaves(params)):
             raise ValueError("params: expected at least one non-empty array")
         layout = _Layout.of(params, self.bucket_params)
         self._layout, self._step_fn = layout, None
-        leaves = jax.tree.leaves(params)
-        device = self._device = _single_device(leaves)
-        host = self._host(device)
+        placement = layout.placement
+        num_buckets = len(layout.bucket_sizes)
 
-        def initial_state(leaves):
-            master = tuple(layout.gather(leaves, b) for b in range(len(layout.bucket_sizes)))
+        def initial_state(*local_leaves):
+            master = tuple(layout.gather(local_leaves, b) for b in range(num_buckets))
             zeros = tuple(jnp.zeros_like(m) for m in master)
             return master, zeros, tuple(jnp.zeros_like(m) for m in master)
 
-        shardings = tuple((host,) * len(layout.bucket_sizes) for _ in range(3))
-        master, mu, nu = jax.jit(initial_state, out_shardings=shardings)(leaves)
-        return OffloadAdamWState(jax.device_put(jnp.zeros((), jnp.int32), device), master, mu,
-                                 nu)
+        local = placement.local(initial_state, in_specs=placement.specs,
+                                out_specs=((placement.flat_spec,) * num_buckets,) * 3)
+        host = placement.state_sharding("pinned_host")
+        master, mu, nu = jax.jit(local, out_shardings=((host,) * num_buckets,) * 3)(
+            *jax.tree.leaves(params))
+        count = jax.device_put(jnp.zeros((), jnp.int32), placement.replicated())
+        return OffloadAdamWState(count, master, mu, nu)
 
     def master_params(self, state: OffloadAdamWState):
-        """The fp32 master weights as a pytree shaped like the params."""
+        """The fp32 master weights as a pytree shaped (and sharded) like the params."""
         layout = self._require_layout()
         layout.check(state)
-        f32 = dataclasses.replace(layout, dtypes=(jnp.dtype(jnp.float32),) * len(layout.dtypes))
-        return jax.tree.unflatten(layout.treedef, f32.scatter(
-            [jax.device_put(m, m.sharding.with_memory_kind("device")) for m in state.master]))
+        placement = layout.placement
+        f32 = (jnp.dtype(jnp.float32),) * len(layout.dtypes)
+        local = placement.local(lambda *buckets: tuple(layout.scatter(buckets, f32)),
+                                in_specs=(placement.flat_spec,) * len(state.master),
+                                out_specs=placement.specs)
+        on_device = [jax.device_put(m, placement.state_sharding("device")) for m in state.master]
+        return jax.tree.unflatten(layout.treedef, jax.jit(local)(*on_device))
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -217,10 +294,10 @@ class OffloadStreamAdamW:
 
     def restore(self, directory) -> OffloadAdamWState:
         """The state saved by ``save``, back in host memory; ``init`` must have been called with
-        params of the same structure (it fixes the bucket layout)."""
+        params of the same structure and placement (they fix the bucket layout)."""
         layout = self._require_layout()
-        device = jax.devices()[0] if self._device is None else self._device
-        buckets = tuple(jax.ShapeDtypeStruct((n,), jnp.float32) for n in layout.bucket_sizes)
+        buckets = tuple(jax.ShapeDtypeStruct(shape, jnp.float32)
+                        for shape in layout.state_shapes())
         target = OffloadAdamWState(jax.ShapeDtypeStruct((), jnp.int32), buckets, buckets, buckets)
         try:
             saved = ocp.StandardCheckpointer().restore(pathlib.Path(directory).absolute(), target)
@@ -228,16 +305,17 @@ class OffloadStreamAdamW:
             raise ValueError(f"state: the checkpoint in {directory} holds another bucket layout "
                              f"than this optimizer's {layout.bucket_sizes}: {error}") from error
         layout.check(saved)  # orbax returns what was saved, whatever the target's shapes
-        host = self._host(device)
+        host = layout.placement.state_sharding("pinned_host")
         return OffloadAdamWState(
-            jax.device_put(saved.count, device),
+            jax.device_put(saved.count, layout.placement.replicated()),
             *(tuple(jax.device_put(a, host) for a in arrays)
               for arrays in (saved.master, saved.mu, saved.nu)))
 
     # -- the step -------------------------------------------------------------------------------
 
     def step(self, grads, state: OffloadAdamWState):
-        """New working params (on device, in the params' dtypes) and the new state (on host).
+        """New working params (on device, in the params' dtypes and shardings) and the new
+        state (on host).
 
         The state passed in is donated: use the returned one.
         """
@@ -249,19 +327,28 @@ class OffloadStreamAdamW:
         shapes = tuple(leaf.shape for leaf in leaves)
         if shapes != layout.shapes:
             raise ValueError(f"grads: expected leaf shapes {layout.shapes}, got {shapes}")
+        placement = _Placement.of(leaves, "grads")
+        if (placement.mesh, placement.local_shapes) != (layout.placement.mesh,
+                                                        layout.placement.local_shapes) or any(
+                a != b for a, b in zip(placement.leaf_shardings(),
+                                       layout.placement.leaf_shardings())
+                if not a.is_equivalent_to(b, len(a.spec))):
+            raise ValueError("grads: expected them placed like the params (the same device or "
+                             "mesh, and the same PartitionSpecs)")
         layout.check(state)
         if self._step_fn is None:
-            self._step_fn = self._compile_step(_single_device(leaves))
+            self._step_fn = self._compile_step()
         new_leaves, state = self._step_fn(leaves, state)
         return jax.tree.unflatten(layout.treedef, new_leaves), state
 
-    def _compile_step(self, device):
+    def _compile_step(self):
         layout = self._layout
-        host = self._host(device)
+        placement = layout.placement
+        host = placement.state_sharding("pinned_host")
         num_buckets = len(layout.bucket_sizes)
-        state_shardings = OffloadAdamWState(
-            SingleDeviceSharding(device), *((host,) * num_buckets for _ in range(3)))
-        on_device = [SingleDeviceSharding(device)] * len(layout.shapes)
+        state_shardings = OffloadAdamWState(placement.replicated(),
+                                            *((host,) * num_buckets for _ in range(3)))
+        on_device = placement.leaf_shardings()
         # Declared memory kinds on both sides let donation pair host inputs with host outputs
         # only; left unknown, a donated host bucket could become a same-shaped device output.
         return jax.jit(self._update, donate_argnums=1, in_shardings=(on_device, state_shardings),
@@ -269,42 +356,51 @@ class OffloadStreamAdamW:
 
     def _update(self, grad_leaves, state: OffloadAdamWState):
         layout = self._layout
+        placement = layout.placement
+        flat, replicated = placement.flat_spec, P()
         count = state.count
         count_inc = _safe_increment(count)
         if callable(self.learning_rate):
             step_size = -self.learning_rate(count)
         else:
-            step_size = -self.learning_rate
-        clip = self._clip_factor(grad_leaves)
+            step_size = -jnp.asarray(self.learning_rate, jnp.float32)
+        # The global norm of the global arrays: XLA sums each shard once, whatever the mesh.
+        norm = self._global_norm(grad_leaves)
+        scalars = (count_inc, step_size) + (() if norm is None else (norm,))
+        hyper = dict(b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay)
+
+        def update_bucket(b, local_grads, master, mu, nu, count_inc, step_size, norm=None):
+            grad = layout.gather(local_grads, b)
+            if norm is not None:  # optax.clip_by_global_norm, given the global norm
+                grad = jnp.where(norm < self.max_grad_norm, grad,
+                                 (grad / norm.astype(grad.dtype)) * self.max_grad_norm)
+            return _adamw(master, mu, nu, grad, count_inc, step_size, **hyper)
+
         working, written = [], []  # per bucket: new fp32 master on device; (master, mu, nu) home
         for b in range(len(layout.bucket_sizes)):
             host_in = (state.master[b], state.mu[b], state.nu[b])
             if b >= self.slots:  # wait for bucket b - slots to be home: at most `slots` staged
                 host_in, _ = lax.optimization_barrier((host_in, written[b - self.slots]))
             master, mu, nu = (jax.device_put(a, jax.memory.Space.Device) for a in host_in)
-            grad = layout.gather(grad_leaves, b)
-            if clip is not None:
-                grad = clip(grad)
-            master, mu, nu = _adamw(master, mu, nu, grad, count_inc, step_size, b1=self.b1,
-                                    b2=self.b2, eps=self.eps, weight_decay=self.weight_decay)
+            local = placement.local(functools.partial(update_bucket, b),
+                                    in_specs=(list(placement.specs), flat, flat, flat)
+                                    + (replicated,) * len(scalars),
+                                    out_specs=(flat, flat, flat))
+            master, mu, nu = local(list(grad_leaves), master, mu, nu, *scalars)
             working.append(master)
             out = tuple(jax.device_put(a, jax.memory.Space.Host) for a in (master, mu, nu))
             written.append(out)
         masters, mus, nus = (tuple(column) for column in zip(*written))
         new_state = OffloadAdamWState(count_inc, masters, mus, nus)
-        return layout.scatter(working), new_state
+        scatter = placement.local(lambda *buckets: tuple(layout.scatter(buckets)),
+                                  in_specs=(flat,) * len(working), out_specs=placement.specs)
+        return list(scatter(*working)), new_state
 
-    def _clip_factor(self, grad_leaves):
-        """optax.clip_by_global_norm, applied per bucket with the global norm of all grads."""
+    def _global_norm(self, grad_leaves):
+        """The global gradient norm, or None without clipping."""
         if self.max_grad_norm is None:
             return None
-        norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grad_leaves))
-        max_norm = self.max_grad_norm
-
-        def clip(g):
-            return jnp.where(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm)
-
-        return clip
+        return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grad_leaves))
 
     def _require_layout(self) -> _Layout:
         if self._layout is None:
@@ -333,14 +429,6 @@ def _safe_increment(count):
     """optax.numerics.safe_increment: count + 1, saturating at the int32 maximum."""
     max_value = jnp.iinfo(count.dtype).max
     return jnp.where(count < max_value, count + 1, max_value)
-
-
-def _single_device(leaves):
-    devices = {d for leaf in leaves for d in leaf.devices()}
-    if len(devices) != 1:
-        raise ValueError(f"params: expected every leaf on one device, got {len(devices)}: "
-                         f"sharded (FSDP) parameters are not supported yet")
-    return devices.pop()
 
 
 def offload_stream_adamw(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999,
