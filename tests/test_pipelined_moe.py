@@ -6,10 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import peakflat_jax as pf
 from peakflat_jax import memory, reference, skew
+from peakflat_jax.ops import expert_exchange
 from peakflat_jax.ops.llep_plan import llep_assignment
 
 TOL = 1e-4  # fp32, complex: dispatch, grouped matmuls, combine; values and gradients
@@ -228,3 +230,72 @@ def test_bad_input_names_the_argument(change, argument):
     fn = moe_fn(mesh, change.get("num_experts", 4), **change.get("kwargs", {}))
     with pytest.raises(ValueError, match=argument):
         jax.jit(fn).lower(x, ids, gates, w_gate, np.zeros((4, 8, 6), np.float32), w_down)
+
+
+# -- the ragged exchange (GPU form), checked on CPU with an emulated ragged_all_to_all ----------
+
+
+@pytest.fixture
+def ragged_exchange(monkeypatch):
+    monkeypatch.setattr(expert_exchange, "RAGGED_ALL_TO_ALL",
+                        expert_exchange.emulated_ragged_all_to_all)
+    monkeypatch.setattr(expert_exchange, "exchange_kind", lambda: "ragged")
+
+
+@pytest.mark.parametrize("devices", [1, 2, 5])
+def test_ragged_round_trip_equals_padded(rng, ragged_exchange, devices):
+    """Every slot reaches its destination, in its source's order, and comes back to its place;
+    slots sent nowhere (destination D) come back as zeros. Processing tags each row with the
+    device that saw it and the row's place there."""
+    slots, hidden = 9, 3
+    mesh = make_mesh(("expert", devices))
+    rows = jnp.asarray(rng.standard_normal((devices * slots, hidden)), jnp.float32)
+    destination = jnp.asarray(rng.integers(0, devices + 1, devices * slots), jnp.int32)
+
+    def padded(rows, destination):
+        positions = expert_exchange.bucket_positions(destination, devices)
+        received = expert_exchange.exchange(
+            expert_exchange.pack(rows, destination, positions, devices), "expert")
+        processed = received * 2 + lax.axis_index("expert")
+        returned = expert_exchange.exchange(processed, "expert")
+        return (received.reshape(-1, hidden), returned.reshape(devices, slots, hidden),
+                expert_exchange.unpack(returned, destination, positions))
+
+    def ragged(rows, destination):
+        routes = expert_exchange.ragged_routes(destination, devices, "expert")
+        received = expert_exchange.dispatch(rows, routes, devices, "expert", fill=7.0)
+        processed = received * 2 + lax.axis_index("expert")
+        return received, expert_exchange.combine(processed, routes, slots, "expert")
+
+    spec = P("expert")
+    run = lambda f, n: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec, spec),  # noqa: E731
+                                             out_specs=(spec,) * n))
+    padded_received, _, padded_back = run(padded, 3)(rows, destination)
+    ragged_received, ragged_back = run(ragged, 2)(rows, destination)
+    np.testing.assert_array_equal(ragged_back, padded_back)
+    # Received: the padded buckets' rows, source by source, packed end to end, then the fill.
+    for device in range(devices):
+        bucket = np.asarray(padded_received).reshape(devices, devices, slots, hidden)[device]
+        counts = [int(np.sum(np.asarray(destination)[s * slots:(s + 1) * slots] == device))
+                  for s in range(devices)]
+        expected = np.concatenate([bucket[s, :counts[s]] for s in range(devices)])
+        got = np.asarray(ragged_received).reshape(devices, devices * slots, hidden)[device]
+        np.testing.assert_array_equal(got[:len(expected)], expected)
+        assert (got[len(expected):] == 7.0).all()
+
+
+@pytest.mark.parametrize("setting", [1, 3, 5, 8])
+def test_ragged_exchange_matches_reference(rng, ragged_exchange, setting):
+    case, token_budget, membership, balance = SETTINGS[setting]
+    devices, experts, tokens, top_k, profile = CASES[case]
+    mesh = make_mesh(("expert", devices))
+    ids, arrays = draw_case(rng, devices=devices, experts=experts, tokens=tokens, top_k=top_k,
+                            profile=profile)
+    fn = moe_fn(mesh, experts, token_budget=token_budget, membership=membership,
+                balance=balance, llep_min_tokens=2)
+    assert_matches_reference(fn, ids, arrays, rng)
+
+
+def test_exchange_kind_is_padded_until_checked_on_a_gpu():
+    assert expert_exchange.exchange_kind() == "padded"
+    assert not expert_exchange.RAGGED_ON_GPU

@@ -1,21 +1,41 @@
 """The all-to-all that carries token-slots to the devices that process them, and back.
 
-``pack`` places each slot's row in its destination's bucket; ``exchange`` swaps buckets so that
-bucket d of every source lands on device d (and, applied again, brings results home).
+Two forms with the same semantics: slot j of a source reaches its destination device, is
+processed there, and its result comes back to slot j. ``exchange_kind()`` chooses by backend.
 
-This is the padded form: every bucket has room for all S slots of a chunk, since in the worst
-case they all go to one device. It runs everywhere (XLA:CPU has no ragged-all-to-all) and its
-buffers are bounded by the chunk, not the routing: D * S rows sent and D * S received. On GPU a
-``lax.ragged_all_to_all`` sends only the rows that exist; it is not wired in yet.
+``"padded"`` (``pack`` / ``exchange`` / ``unpack``): every bucket has room for all S slots of a
+chunk, since in the worst case they all go to one device. It runs everywhere (XLA:CPU has no
+ragged-all-to-all). Buffers: D * S rows sent and D * S received, each way.
+
+``"ragged"`` (``RaggedRoutes`` / ``dispatch`` / ``combine``): ``lax.ragged_all_to_all`` sends
+only the rows that exist, sorted by destination, and each receiver lays its sources' rows end to
+end in a buffer of the worst case, D * S rows. Buffers: S rows sent and D * S received going
+out, D * S sent and S received coming back: (D + 1) * S rows each way instead of 2 * D * S. The
+per-chunk send counts are all-gathered ([D, D] int32) so that every sender knows where its rows
+land. Its transpose is another ragged all-to-all, so the backward keeps the same bound.
+
+Status (2026-11-30): the ragged form has not yet run on a GPU; on CPU its routing is tested
+against the padded form with ``emulated_ragged_all_to_all``, a stand-in with
+``lax.ragged_all_to_all``'s semantics built from an all-gather (tests only: it gathers every
+source's rows). Until an H200 run has checked it, ``exchange_kind()`` returns "padded"
+everywhere (``RAGGED_ON_GPU``).
 
 Legend: D devices of the expert-parallel axis, S token-slots of one chunk from one source.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+KINDS = ("padded", "ragged")
+# Off until an H200 run has checked the ragged form: the default must be a path hardware ran.
+RAGGED_ON_GPU = False
+# The collective the ragged form calls; tests on CPU put emulated_ragged_all_to_all here.
+RAGGED_ALL_TO_ALL = lax.ragged_all_to_all
 
 
 def bucket_positions(destination: jax.Array, num_devices: int) -> jax.Array:
@@ -45,3 +65,83 @@ def unpack(buckets: jax.Array, destination: jax.Array, positions: jax.Array) -> 
 def exchange(buckets: jax.Array, axis_name) -> jax.Array:
     """Bucket d of this device goes to device d; the result's bucket s came from device s."""
     return lax.all_to_all(buckets, axis_name, split_axis=0, concat_axis=0)
+
+
+def exchange_kind() -> str:
+    """The form this backend runs: ragged on GPU (once checked there), padded elsewhere."""
+    return "ragged" if RAGGED_ON_GPU and jax.default_backend() == "gpu" else "padded"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RaggedRoutes:
+    """Where one chunk's slots go and where they land, for both directions."""
+
+    order: jax.Array           # [S] slots sorted by destination (not-sent slots last)
+    send_offsets: jax.Array    # [D] start of each destination's rows in the sorted slots
+    send_sizes: jax.Array      # [D] rows to each destination
+    landing_offsets: jax.Array  # [D] where this source's rows start in each receiver's buffer
+    recv_offsets: jax.Array    # [D] where each source's rows start in this device's buffer
+    recv_sizes: jax.Array      # [D] rows from each source
+    home_offsets: jax.Array    # [D] where each source's rows sit in that source's sorted slots
+
+
+def ragged_routes(destination: jax.Array, num_devices: int, axis_name) -> RaggedRoutes:
+    """Routes of the slots ``destination [S]`` in ``[0, D]`` (D: not sent) for one chunk."""
+    counts = jnp.zeros(num_devices + 1, jnp.int32).at[destination].add(1)[:num_devices]
+    all_counts = lax.all_gather(counts, axis_name)  # [source, destination]
+    me = lax.axis_index(axis_name)
+    all_send_offsets = jnp.cumsum(all_counts, axis=1) - all_counts
+    earlier = jnp.arange(num_devices)[:, None] < me
+    recv_sizes = all_counts[:, me]
+    return RaggedRoutes(
+        order=jnp.argsort(destination, stable=True),
+        send_offsets=all_send_offsets[me], send_sizes=counts,
+        landing_offsets=jnp.sum(jnp.where(earlier, all_counts, 0), axis=0),
+        recv_offsets=jnp.cumsum(recv_sizes) - recv_sizes, recv_sizes=recv_sizes,
+        home_offsets=all_send_offsets[:, me])
+
+
+def dispatch(rows: jax.Array, routes: RaggedRoutes, num_devices: int, axis_name,
+             fill=0) -> jax.Array:
+    """``[D * S, ...]``: the rows sent to this device, source by source, then ``fill``."""
+    sorted_rows = rows[routes.order]
+    output = _fresh_buffer((num_devices * rows.shape[0], *rows.shape[1:]), rows.dtype, fill,
+                           sorted_rows)
+    return RAGGED_ALL_TO_ALL(sorted_rows, output, routes.send_offsets, routes.send_sizes,
+                             routes.landing_offsets, routes.recv_sizes, axis_name=axis_name)
+
+
+def combine(processed: jax.Array, routes: RaggedRoutes, num_slots: int,
+            axis_name) -> jax.Array:
+    """``[S, ...]``: each slot's processed row back at its place; 0 for slots not sent."""
+    output = _fresh_buffer((num_slots, *processed.shape[1:]), processed.dtype, 0, processed)
+    sorted_out = RAGGED_ALL_TO_ALL(processed, output, routes.recv_offsets, routes.recv_sizes,
+                                   routes.home_offsets, routes.send_sizes, axis_name=axis_name)
+    return jnp.zeros_like(sorted_out).at[routes.order].set(sorted_out)
+
+
+def _fresh_buffer(shape, dtype, fill, tie):
+    """A ``fill``-ed output buffer tied to ``tie``: a constant buffer inside a scan can be
+    hoisted out of the loop and copied in every iteration (JAX-NOTES.md)."""
+    value, _ = lax.optimization_barrier((jnp.asarray(fill, dtype), tie))  # varies per iteration
+    return jnp.broadcast_to(value, shape)
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                               recv_sizes, *, axis_name):
+    """``lax.ragged_all_to_all``'s semantics from an all-gather, for tests on backends without
+    it (XLA:CPU). It gathers every source's operand: a semantic stand-in, not a bounded one."""
+    del recv_sizes  # implied by the senders' sizes
+    me = lax.axis_index(axis_name)
+    operands = lax.all_gather(operand, axis_name)  # [D, rows_in, ...]
+    starts = lax.all_gather(output_offsets, axis_name)[:, me]  # [D] each source's landing
+    sizes = lax.all_gather(send_sizes, axis_name)[:, me]
+    sources = lax.all_gather(input_offsets, axis_name)[:, me]
+    row = jnp.arange(output.shape[0])
+    inside = (row >= starts[:, None]) & (row < (starts + sizes)[:, None])  # [D, rows_out]
+    source = jnp.argmax(inside, axis=0)
+    source_row = jnp.clip(sources[source] + row - starts[source], 0, operand.shape[0] - 1)
+    values = operands[source, source_row]
+    covered = inside.any(axis=0).reshape(-1, *([1] * (output.ndim - 1)))
+    return jnp.where(covered, values, output)

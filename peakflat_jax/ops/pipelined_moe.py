@@ -16,8 +16,9 @@ Per rank (a shard_map over the expert-parallel axis of D devices, each owning E_
    strided (chunk i holds tokens i, i+K, i+2K, ...: a hot expert's tail is spread over all
    chunks) or contiguous. A ``lax.scan`` over chunks, each chunk under ``jax.checkpoint``:
    forward, backward and any replay of an enclosing checkpoint hold one chunk's buffers at a time.
-5. **Per chunk.** All-to-all dispatch of the chunk's S = c*k slots, grouped SwiGLU matmuls over
-   the local and foreign experts, all-to-all back, gate-weighted sum over k.
+5. **Per chunk.** All-to-all dispatch of the chunk's S = c*k slots (padded, or ragged on GPU:
+   ``expert_exchange``), grouped SwiGLU matmuls over the local and foreign experts, all-to-all
+   back, gate-weighted sum over k.
 
 Memory bound (per device, besides inputs, outputs and their gradients; b = bytes of x's dtype,
 G = E_l + max_foreign_experts groups, M = D * k * c rows that reach a device per chunk):
@@ -29,8 +30,10 @@ G = E_l + max_foreign_experts groups, M = D * k * c rows that reach a device per
     routing:    O(N * k) int32 metadata
 
 Every term is fixed at launch: skew makes the plan move more weights, never a buffer larger. The
-paper's receive-side bound is 2 * M * H * b; the padded all-to-all used here (the only one
-XLA:CPU has) doubles it with send buckets of the same size. The portable grouped matmul
+paper's receive-side bound is 2 * M * H * b; the padded all-to-all (the only one XLA:CPU has)
+doubles it with send buckets of the same size. The ragged form
+(``expert_exchange.exchange_kind``, for GPUs) sends only the rows that exist: dispatch is then
+2 * (M + k * c) * H * b. The portable grouped matmul
 (``lax.ragged_dot``) adds XLA's dense expansion, about 5 * G * M * max(H, F) * 4 per chunk,
 which a grouped-matmul kernel does not have. No token-slot is dropped: an expert id outside
 [0, E) makes its token's output NaN.
@@ -76,6 +79,7 @@ class _Layer:
     llep_capacity: float
     llep_min_tokens: int
     max_foreign_experts: int
+    exchange: str  # expert_exchange.KINDS
 
     @property
     def experts_per_device(self) -> int:
@@ -185,7 +189,7 @@ def _describe_call(x, expert_ids, gates, w_gate, w_up, w_down, axis_name, num_ex
                                                     max_chunks)
     return _Layer(axis_name, num_devices, num_experts, num_tokens, expert_ids.shape[1],
                   num_chunks, membership, balance, llep_threshold, llep_capacity,
-                  llep_min_tokens, max_foreign_experts)
+                  llep_min_tokens, max_foreign_experts, expert_exchange.exchange_kind())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -304,19 +308,26 @@ def _chunk_forward(layer: _Layer, weights, x_chunk, gates_chunk, destination, gr
     """One chunk: dispatch, grouped SwiGLU, combine. x_chunk [c, H]; the rest [c, k]."""
     num_slots = destination.size
     destination, group = destination.reshape(-1), group.reshape(-1)
-    positions = expert_exchange.bucket_positions(destination, layer.num_devices)
     slot_rows = jnp.repeat(x_chunk, layer.top_k, axis=0)  # slot (n, j) at row n*k + j
-    sent = expert_exchange.pack(slot_rows, destination, positions, layer.num_devices)
-    sent_group = expert_exchange.pack(group, destination, positions, layer.num_devices,
-                                      fill=layer.num_groups)
-    received = expert_exchange.exchange(sent, layer.axis_name)  # [D, S, H]
-    received_group = expert_exchange.exchange(sent_group, layer.axis_name)
-    hidden = x_chunk.shape[1]
-    processed = _expert_ffn(received.reshape(-1, hidden), received_group.reshape(-1), weights,
-                            layer.num_groups)
-    returned = expert_exchange.exchange(processed.reshape(layer.num_devices, num_slots, hidden),
-                                        layer.axis_name)
-    slot_out = expert_exchange.unpack(returned, destination, positions)  # [S, H]
+    hidden, devices, axis = x_chunk.shape[1], layer.num_devices, layer.axis_name
+    if layer.exchange == "ragged":
+        routes = expert_exchange.ragged_routes(destination, devices, axis)
+        received = expert_exchange.dispatch(slot_rows, routes, devices, axis)  # [D * S, H]
+        received_group = expert_exchange.dispatch(group, routes, devices, axis,
+                                                  fill=layer.num_groups)
+        processed = _expert_ffn(received, received_group, weights, layer.num_groups)
+        slot_out = expert_exchange.combine(processed, routes, num_slots, axis)  # [S, H]
+    else:
+        positions = expert_exchange.bucket_positions(destination, devices)
+        sent = expert_exchange.pack(slot_rows, destination, positions, devices)
+        sent_group = expert_exchange.pack(group, destination, positions, devices,
+                                          fill=layer.num_groups)
+        received = expert_exchange.exchange(sent, axis)  # [D, S, H]
+        received_group = expert_exchange.exchange(sent_group, axis)
+        processed = _expert_ffn(received.reshape(-1, hidden), received_group.reshape(-1),
+                                weights, layer.num_groups)
+        returned = expert_exchange.exchange(processed.reshape(devices, num_slots, hidden), axis)
+        slot_out = expert_exchange.unpack(returned, destination, positions)  # [S, H]
     slot_out = slot_out.reshape(-1, layer.top_k, hidden).astype(jnp.float32)
     combined = jnp.einsum("ck,ckh->ch", gates_chunk.astype(jnp.float32), slot_out)
     return combined.astype(x_chunk.dtype)
