@@ -299,3 +299,58 @@ def test_ragged_exchange_matches_reference(rng, ragged_exchange, setting):
 def test_exchange_kind_is_padded_until_checked_on_a_gpu():
     assert expert_exchange.exchange_kind() == "padded"
     assert not expert_exchange.RAGGED_ON_GPU
+
+
+# -- pipelining: chunk i+1's dispatch does not wait for chunk i's matmuls -----------------------
+
+
+def find_eqns(jaxpr, name):
+    """Every equation of primitive ``name`` in a jaxpr, nested jaxprs included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            found.append(eqn)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += find_eqns(inner, name)
+    return found
+
+
+def producers(jaxpr, outvars):
+    """The primitives of the equations that ``outvars`` depend on, transitively (one level)."""
+    made_by = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    seen, stack, names = set(), [v for v in outvars if v in made_by], set()
+    while stack:
+        eqn = made_by[stack.pop()]
+        if id(eqn) in seen:
+            continue
+        seen.add(id(eqn))
+        names.add(eqn.primitive.name)
+        stack += [v for v in eqn.invars if not hasattr(v, "val") and v in made_by]
+    return names
+
+
+def test_next_dispatch_is_independent_of_this_chunks_matmuls(rng):
+    devices, experts, tokens, top_k = 2, 4, 16, 2
+    mesh = make_mesh(("expert", devices))
+    ids, arrays = draw_case(rng, devices=devices, experts=experts, tokens=tokens, top_k=top_k,
+                            profile=skew.SkewProfile(0.8, 1))
+    fn = moe_fn(mesh, experts, token_budget=4, llep_min_tokens=2)
+    args = [arrays[k] for k in ARGNAMES]
+    jaxpr = jax.make_jaxpr(lambda *a: jax.grad(lambda *b: fn(b[0], ids, *b[1:]).sum(),
+                                               argnums=(0, 1, 2, 3, 4))(*a))(*args)
+    scans = [e for e in find_eqns(jaxpr.jaxpr, "scan") if find_eqns(
+        e.params["jaxpr"].jaxpr, "ragged_dot_general")]
+    assert len(scans) == 2  # forward and backward chunk loops; nothing else loops over chunks
+    for scan in scans:
+        body = scan.params["jaxpr"].jaxpr
+        # Carries keep their shape (stacked outputs gain the chunk axis); the received rows are
+        # the 2-D carry [D * S, H] (backward also carries 3-D weight-gradient sums).
+        received = [v for v, out in zip(body.outvars, scan.outvars)
+                    if v.aval.shape == out.aval.shape and v.aval.ndim == 2]
+        assert [v.aval.shape for v in received] == [(devices * 4 * top_k, 8)]
+        carried = producers(body, received)  # what the next step receives
+        assert "all_to_all" in carried  # the upcoming chunk's dispatch is in the carry
+        assert "ragged_dot_general" not in carried and "dot_general" not in carried

@@ -54,7 +54,9 @@ def pack(rows: jax.Array, destination: jax.Array, positions: jax.Array, num_devi
     """``[D, S, ...]`` buckets holding ``rows [S, ...]``; slots with destination D are left out
     and empty places hold ``fill``."""
     buckets = jnp.full((num_devices, *rows.shape), fill, rows.dtype)
-    return buckets.at[destination, positions].set(rows, mode="drop")
+    # (destination, position) pairs are distinct, so the scatter is a permutation: declaring it
+    # lets JAX transpose it (backward sends cotangents along the same routes).
+    return buckets.at[destination, positions].set(rows, mode="drop", unique_indices=True)
 
 
 def unpack(buckets: jax.Array, destination: jax.Array, positions: jax.Array) -> jax.Array:
@@ -107,7 +109,7 @@ def dispatch(rows: jax.Array, routes: RaggedRoutes, num_devices: int, axis_name,
     """``[D * S, ...]``: the rows sent to this device, source by source, then ``fill``."""
     sorted_rows = rows[routes.order]
     output = _fresh_buffer((num_devices * rows.shape[0], *rows.shape[1:]), rows.dtype, fill,
-                           sorted_rows)
+                           routes.recv_sizes)
     return RAGGED_ALL_TO_ALL(sorted_rows, output, routes.send_offsets, routes.send_sizes,
                              routes.landing_offsets, routes.recv_sizes, axis_name=axis_name)
 
@@ -115,15 +117,17 @@ def dispatch(rows: jax.Array, routes: RaggedRoutes, num_devices: int, axis_name,
 def combine(processed: jax.Array, routes: RaggedRoutes, num_slots: int,
             axis_name) -> jax.Array:
     """``[S, ...]``: each slot's processed row back at its place; 0 for slots not sent."""
-    output = _fresh_buffer((num_slots, *processed.shape[1:]), processed.dtype, 0, processed)
+    output = _fresh_buffer((num_slots, *processed.shape[1:]), processed.dtype, 0,
+                           routes.send_sizes)
     sorted_out = RAGGED_ALL_TO_ALL(processed, output, routes.recv_offsets, routes.recv_sizes,
                                    routes.home_offsets, routes.send_sizes, axis_name=axis_name)
     return jnp.zeros_like(sorted_out).at[routes.order].set(sorted_out)
 
 
 def _fresh_buffer(shape, dtype, fill, tie):
-    """A ``fill``-ed output buffer tied to ``tie``: a constant buffer inside a scan can be
-    hoisted out of the loop and copied in every iteration (JAX-NOTES.md)."""
+    """A ``fill``-ed output buffer tied to ``tie`` (this chunk's routes, not the rows, which
+    must stay linear for the transpose): a constant buffer inside a scan can be hoisted out of
+    the loop and copied in every iteration (JAX-NOTES.md)."""
     value, _ = lax.optimization_barrier((jnp.asarray(fill, dtype), tie))  # varies per iteration
     return jnp.broadcast_to(value, shape)
 

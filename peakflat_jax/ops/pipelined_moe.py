@@ -14,8 +14,12 @@ Per rank (a shard_map over the expert-parallel axis of D devices, each owning E_
    the transposed collectives and add to theirs.
 4. **Chunks.** K = min(ceil(N / token_budget), max_chunks) chunks of c = ceil(N / K) tokens:
    strided (chunk i holds tokens i, i+K, i+2K, ...: a hot expert's tail is spread over all
-   chunks) or contiguous. A ``lax.scan`` over chunks, each chunk under ``jax.checkpoint``:
-   forward, backward and any replay of an enclosing checkpoint hold one chunk's buffers at a time.
+   chunks) or contiguous. A software-pipelined ``lax.scan``: step i issues chunk i+1's dispatch
+   before chunk i's expert matmuls, and nothing links the two, so on a GPU the all-to-all can
+   run under the matmuls. A custom VJP keeps only the inputs (autodiff of the scan would save
+   every carried receive buffer); backward re-dispatches and recomputes chunk by chunk in
+   reverse, pipelined the same way. Forward, backward and any replay of an enclosing checkpoint
+   hold two chunks' receive buffers and one chunk's intermediates at a time.
 5. **Per chunk.** All-to-all dispatch of the chunk's S = c*k slots (padded, or ragged on GPU:
    ``expert_exchange``), grouped SwiGLU matmuls over the local and foreign experts, all-to-all
    back, gate-weighted sum over k.
@@ -23,7 +27,9 @@ Per rank (a shard_map over the expert-parallel axis of D devices, each owning E_
 Memory bound (per device, besides inputs, outputs and their gradients; b = bytes of x's dtype,
 G = E_l + max_foreign_experts groups, M = D * k * c rows that reach a device per chunk):
 
-    dispatch:   4 * M * H * b          send and receive buckets, there and back
+    dispatch:   5 * M * H * b          the carried receive buffer, and one chunk's send and
+                                       receive buckets, there and back (backward: 7 * M * H * b,
+                                       with the received rows' cotangent and its way home)
     expert FFN: 3 * M * F * 4          gate and up projections (fp32), their product
     weights:    2 * 3 * G * H * F * b  local + foreign experts side by side, and their gradients
     tokens:     3 * N * H * b          chunked copies of x and y, the output gather
@@ -31,9 +37,9 @@ G = E_l + max_foreign_experts groups, M = D * k * c rows that reach a device per
 
 Every term is fixed at launch: skew makes the plan move more weights, never a buffer larger. The
 paper's receive-side bound is 2 * M * H * b; the padded all-to-all (the only one XLA:CPU has)
-doubles it with send buckets of the same size. The ragged form
-(``expert_exchange.exchange_kind``, for GPUs) sends only the rows that exist: dispatch is then
-2 * (M + k * c) * H * b. The portable grouped matmul
+adds send buckets of the same size. The ragged form (``expert_exchange.exchange_kind``, for
+GPUs) sends only the rows that exist: a chunk's exchanges then hold 2 * (M + k * c) rows
+instead of 4 * M. The portable grouped matmul
 (``lax.ragged_dot``) adds XLA's dense expansion, about 5 * G * M * max(H, F) * 4 per chunk,
 which a grouped-matmul kernel does not have. No token-slot is dropped: an expert id outside
 [0, E) makes its token's output NaN.
@@ -304,33 +310,122 @@ def _expert_ffn(rows, group, weights, num_groups: int):
     return jnp.zeros_like(out).at[order].set(out)
 
 
-def _chunk_forward(layer: _Layer, weights, x_chunk, gates_chunk, destination, group):
-    """One chunk: dispatch, grouped SwiGLU, combine. x_chunk [c, H]; the rest [c, k]."""
-    num_slots = destination.size
-    destination, group = destination.reshape(-1), group.reshape(-1)
-    slot_rows = jnp.repeat(x_chunk, layer.top_k, axis=0)  # slot (n, j) at row n*k + j
-    hidden, devices, axis = x_chunk.shape[1], layer.num_devices, layer.axis_name
+def _chunk_routes(layer: _Layer, destination):
+    """Where a chunk's slots go (``destination [c, k]``): positions in padded buckets, or the
+    ragged form's offsets and sizes."""
+    destination = destination.reshape(-1)
     if layer.exchange == "ragged":
-        routes = expert_exchange.ragged_routes(destination, devices, axis)
-        received = expert_exchange.dispatch(slot_rows, routes, devices, axis)  # [D * S, H]
-        received_group = expert_exchange.dispatch(group, routes, devices, axis,
-                                                  fill=layer.num_groups)
-        processed = _expert_ffn(received, received_group, weights, layer.num_groups)
-        slot_out = expert_exchange.combine(processed, routes, num_slots, axis)  # [S, H]
+        return expert_exchange.ragged_routes(destination, layer.num_devices, layer.axis_name)
+    return expert_exchange.bucket_positions(destination, layer.num_devices)
+
+
+def _send(layer: _Layer, rows, destination, routes, fill=0):
+    """The slots' ``rows [S, ...]`` on the devices that process them: ``[D * S, ...]``. Linear in
+    ``rows``, so backward transposes it without running it."""
+    destination = destination.reshape(-1)
+    devices, axis = layer.num_devices, layer.axis_name
+    if layer.exchange == "ragged":
+        return expert_exchange.dispatch(rows, routes, devices, axis, fill=fill)
+    sent = expert_exchange.pack(rows, destination, routes, devices, fill=fill)
+    return expert_exchange.exchange(sent, axis).reshape(-1, *rows.shape[1:])
+
+
+def _dispatch(layer: _Layer, x_chunk, destination, group):
+    """A chunk's dispatch: (received rows [D * S, H], their groups [D * S], routes)."""
+    routes = _chunk_routes(layer, destination)
+    rows = _send(layer, jnp.repeat(x_chunk, layer.top_k, axis=0), destination, routes)
+    groups = _send(layer, group.reshape(-1), destination, routes, fill=layer.num_groups)
+    return rows, groups, routes
+
+
+def _process(layer: _Layer, weights, received, received_group, destination, routes,
+             gates_chunk):
+    """A dispatched chunk's grouped SwiGLU, combine back home, and gate-weighted sum: [c, H]."""
+    hidden, devices, axis = received.shape[1], layer.num_devices, layer.axis_name
+    processed = _expert_ffn(received, received_group, weights, layer.num_groups)
+    num_slots = destination.size
+    if layer.exchange == "ragged":
+        slot_out = expert_exchange.combine(processed, routes, num_slots, axis)
     else:
-        positions = expert_exchange.bucket_positions(destination, devices)
-        sent = expert_exchange.pack(slot_rows, destination, positions, devices)
-        sent_group = expert_exchange.pack(group, destination, positions, devices,
-                                          fill=layer.num_groups)
-        received = expert_exchange.exchange(sent, axis)  # [D, S, H]
-        received_group = expert_exchange.exchange(sent_group, axis)
-        processed = _expert_ffn(received.reshape(-1, hidden), received_group.reshape(-1),
-                                weights, layer.num_groups)
         returned = expert_exchange.exchange(processed.reshape(devices, num_slots, hidden), axis)
-        slot_out = expert_exchange.unpack(returned, destination, positions)  # [S, H]
+        slot_out = expert_exchange.unpack(returned, destination.reshape(-1), routes)
     slot_out = slot_out.reshape(-1, layer.top_k, hidden).astype(jnp.float32)
     combined = jnp.einsum("ck,ckh->ch", gates_chunk.astype(jnp.float32), slot_out)
-    return combined.astype(x_chunk.dtype)
+    return combined.astype(received.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _run_chunks(layer: _Layer, weights, x_chunks, gate_chunks, destination_chunks,
+                group_chunks):
+    """``[K, c, H]``: every chunk's output, in a software-pipelined scan.
+
+    Step i issues chunk i+1's dispatch before chunk i's expert matmuls; the two do not depend on
+    each other, so the all-to-all can run under the matmuls. Two chunks' receive buffers are then
+    live (the one carried in, the one arriving). The custom VJP keeps only the inputs: autodiff
+    of a scan would save every carried receive buffer, the whole dispatch; backward instead
+    re-dispatches and recomputes chunk by chunk, pipelined the same way in reverse.
+    """
+    def dispatch(i):
+        return _dispatch(layer, x_chunks[i], destination_chunks[i], group_chunks[i])
+
+    def process(i, sent):
+        received, received_group, routes = sent
+        return _process(layer, weights, received, received_group, destination_chunks[i],
+                        routes, gate_chunks[i])
+
+    def step(sent, i):
+        upcoming = dispatch(i + 1)  # issued before this chunk's matmuls
+        return upcoming, process(i, sent)
+
+    last = layer.num_chunks - 1
+    sent, outputs = lax.scan(step, dispatch(0), jnp.arange(last))
+    return jnp.concatenate([outputs, process(last, sent)[None]])
+
+
+def _run_chunks_fwd(layer, weights, x_chunks, gate_chunks, destination_chunks, group_chunks):
+    residuals = (weights, x_chunks, gate_chunks, destination_chunks, group_chunks)
+    return _run_chunks(layer, *residuals), residuals
+
+
+def _run_chunks_bwd(layer, residuals, d_outputs):
+    weights, x_chunks, gate_chunks, destination_chunks, group_chunks = residuals
+
+    def dispatch(i):
+        return _dispatch(layer, x_chunks[i], destination_chunks[i], group_chunks[i])
+
+    def chunk_grads(i, sent, d_weights):
+        """Chunk i recomputed from its dispatch, and differentiated; dW accumulates in fp32."""
+        received, received_group, routes = sent
+        destination = destination_chunks[i]
+
+        def process(w, rows, gates):
+            return _process(layer, w, rows, received_group, destination, routes, gates)
+
+        _, vjp = jax.vjp(process, weights, received, gate_chunks[i])
+        d_w, d_received, d_gates = vjp(d_outputs[i])
+        expand = lambda x: _send(  # noqa: E731
+            layer, jnp.repeat(x, layer.top_k, axis=0), destination, routes)
+        (d_x,) = jax.linear_transpose(expand, x_chunks[i])(d_received)
+        d_weights = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), d_weights, d_w)
+        return d_weights, d_x, d_gates
+
+    def step(carry, i):  # i = K-1, ..., 1
+        sent, d_weights = carry
+        upcoming = dispatch(i - 1)  # issued before this chunk's recompute
+        d_weights, d_x, d_gates = chunk_grads(i, sent, d_weights)
+        return (upcoming, d_weights), (d_x, d_gates)
+
+    zeros = jax.tree.map(lambda w: jnp.zeros_like(w, jnp.float32), weights)
+    last = layer.num_chunks - 1
+    (sent, d_weights), (d_x, d_gates) = lax.scan(
+        step, (dispatch(last), zeros), jnp.arange(1, last + 1), reverse=True)
+    d_weights, d_x0, d_gates0 = chunk_grads(0, sent, d_weights)
+    d_weights = jax.tree.map(lambda g, w: g.astype(w.dtype), d_weights, weights)
+    return (d_weights, jnp.concatenate([d_x0[None], d_x]),
+            jnp.concatenate([d_gates0[None], d_gates]), None, None)
+
+
+_run_chunks.defvjp(_run_chunks_fwd, _run_chunks_bwd)
 
 
 def _pipelined_moe(layer: _Layer, x, expert_ids, gates, w_gate, w_up, w_down):
@@ -339,18 +434,8 @@ def _pipelined_moe(layer: _Layer, x, expert_ids, gates, w_gate, w_up, w_down):
     tokens, place = _chunk_layout(layer)
     padded = lambda a, fill: jnp.concatenate(  # noqa: E731  (row N: the padding token)
         [a, jnp.full((1, *a.shape[1:]), fill, a.dtype)])
-    x_chunks = padded(x, 0)[tokens]
-    gate_chunks = padded(gates, 0)[tokens]
-    destination_chunks = padded(routes.destination, layer.num_devices)[tokens]
-    group_chunks = padded(routes.group, layer.num_groups)[tokens]
-
-    @functools.partial(jax.checkpoint, prevent_cse=True)
-    def one_chunk(weights, chunk):
-        return _chunk_forward(layer, weights, *chunk)
-
-    def step(_, chunk):
-        return None, one_chunk(weights, chunk)
-
-    _, y_chunks = lax.scan(step, None, (x_chunks, gate_chunks, destination_chunks, group_chunks))
+    y_chunks = _run_chunks(layer, weights, padded(x, 0)[tokens], padded(gates, 0)[tokens],
+                           padded(routes.destination, layer.num_devices)[tokens],
+                           padded(routes.group, layer.num_groups)[tokens])
     y = y_chunks.reshape(-1, x.shape[1])[place]
     return jnp.where(routes.invalid_token[:, None], jnp.nan, y).astype(x.dtype)
