@@ -23,9 +23,12 @@ one host array in a loop falls to 5 GB/s. Measured on one H200 with 2e9 paramete
 slots (48 GB moved, 61.5 GB/s), against 0.872 s for moving the whole state and 2.53 s for
 optax.adamw on 16 host cores. The staging, measured as the allocator's peak less the params,
 grads and new params, was 2.2 and 3.4 GiB at 1e8 x 1 and x 2 slots (formula: 1.5 and 3.0), but
-10.2 and 12.1 GiB at 2.5e8 (formula: 3.7 and 7.5): the bound above is not yet enforced for
-large buckets (that peak also includes ``init``). On CPU the memory kinds exist but the copies
-lower to nothing: tests check the numbers, not the transfers.
+10.2 and 12.1 GiB at 2.5e8 (formula: 3.7 and 7.5); that peak also includes ``init``. Since
+that run each bucket's working pieces are cast inside its update and tied into the slot chain,
+so that no fp32 master outlives its write-back (buckets of 2.5e8 split the 1e8-parameter leaves,
+whose fp32 pieces could otherwise wait for the last bucket); the new staging is not yet
+measured. On CPU the memory kinds exist but the copies lower to nothing: tests check the
+numbers, not the transfers.
 
 FSDP. Params (and grads, placed alike) may be NamedShardings on one mesh. The buckets are then
 cut from each device's own shards, and each bucket of the state is one global array of
@@ -168,22 +171,33 @@ class _Layout:
                  .astype(dtype) for p in self.buckets[bucket]]
         return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
-    def scatter(self, buckets: list[jax.Array], dtypes=None) -> list[jax.Array]:
-        """This device's shards (in ``dtypes``, default the leaves', and their local shapes)
-        from its pieces of the buckets."""
+    def pieces(self, bucket_array: jax.Array, bucket: int, dtypes=None) -> tuple:
+        """The pieces of this device's part of ``bucket``, each cast to its leaf's dtype (or
+        ``dtypes``'s)."""
+        dtypes = self.dtypes if dtypes is None else dtypes
+        return tuple(bucket_array[p.bucket_start:p.bucket_start + p.size].astype(dtypes[p.leaf])
+                     for p in self.buckets[bucket])
+
+    def assemble(self, pieces_per_bucket, dtypes=None) -> list[jax.Array]:
+        """This device's shards (in their local shapes) from every bucket's ``pieces``."""
         dtypes = self.dtypes if dtypes is None else dtypes
         parts: list[list[tuple[int, jax.Array]]] = [[] for _ in self.shapes]
-        for bucket, pieces in zip(buckets, self.buckets):
-            for p in pieces:
-                parts[p.leaf].append((p.leaf_start, bucket[p.bucket_start:p.bucket_start + p.size]))
+        for pieces, layout in zip(pieces_per_bucket, self.buckets):
+            for piece, p in zip(pieces, layout):
+                parts[p.leaf].append((p.leaf_start, piece))
         leaves = []
         for shape, dtype, leaf_parts in zip(self.placement.local_shapes, dtypes, parts):
             if not leaf_parts:  # a leaf of size zero lies in no bucket
                 leaves.append(jnp.zeros(shape, dtype))
                 continue
             flat = jnp.concatenate([x for _, x in sorted(leaf_parts, key=lambda t: t[0])])
-            leaves.append(flat.astype(dtype).reshape(shape))
+            leaves.append(flat.reshape(shape))
         return leaves
+
+    def scatter(self, buckets: list[jax.Array], dtypes=None) -> list[jax.Array]:
+        """This device's shards (in ``dtypes``, default the leaves') from its parts of the
+        buckets."""
+        return self.assemble([self.pieces(a, b, dtypes) for b, a in enumerate(buckets)], dtypes)
 
     def state_shapes(self) -> tuple[tuple[int], ...]:
         return tuple((self.placement.num_devices * n,) for n in self.bucket_sizes)
@@ -374,27 +388,33 @@ class OffloadStreamAdamW:
             if norm is not None:  # optax.clip_by_global_norm, given the global norm
                 grad = jnp.where(norm < self.max_grad_norm, grad,
                                  (grad / norm.astype(grad.dtype)) * self.max_grad_norm)
-            return _adamw(master, mu, nu, grad, count_inc, step_size, **hyper)
+            master, mu, nu = _adamw(master, mu, nu, grad, count_inc, step_size, **hyper)
+            # The working pieces are cast here, so that no bucket's fp32 master outlives its
+            # write-back (on an H200, buckets that split leaves kept every master to the end).
+            return master, mu, nu, layout.pieces(master, b)
 
-        working, written = [], []  # per bucket: new fp32 master on device; (master, mu, nu) home
+        working, written = [], []  # per bucket: the working pieces; (master, mu, nu) home
         for b in range(len(layout.bucket_sizes)):
             host_in = (state.master[b], state.mu[b], state.nu[b])
-            if b >= self.slots:  # wait for bucket b - slots to be home: at most `slots` staged
-                host_in, _ = lax.optimization_barrier((host_in, written[b - self.slots]))
+            if b >= self.slots:  # wait for bucket b - slots to be done: at most `slots` staged
+                host_in, _ = lax.optimization_barrier(
+                    (host_in, (written[b - self.slots], working[b - self.slots])))
             master, mu, nu = (jax.device_put(a, jax.memory.Space.Device) for a in host_in)
             local = placement.local(functools.partial(update_bucket, b),
                                     in_specs=(list(placement.specs), flat, flat, flat)
                                     + (replicated,) * len(scalars),
-                                    out_specs=(flat, flat, flat))
-            master, mu, nu = local(list(grad_leaves), master, mu, nu, *scalars)
-            working.append(master)
-            out = tuple(jax.device_put(a, jax.memory.Space.Host) for a in (master, mu, nu))
-            written.append(out)
+                                    out_specs=(flat, flat, flat,
+                                               (flat,) * len(layout.buckets[b])))
+            master, mu, nu, pieces = local(list(grad_leaves), master, mu, nu, *scalars)
+            working.append(pieces)
+            written.append(tuple(jax.device_put(a, jax.memory.Space.Host)
+                                 for a in (master, mu, nu)))
         masters, mus, nus = (tuple(column) for column in zip(*written))
         new_state = OffloadAdamWState(count_inc, masters, mus, nus)
-        scatter = placement.local(lambda *buckets: tuple(layout.scatter(buckets)),
-                                  in_specs=(flat,) * len(working), out_specs=placement.specs)
-        return list(scatter(*working)), new_state
+        assemble = placement.local(lambda pieces: tuple(layout.assemble(pieces)),
+                                   in_specs=(tuple((flat,) * len(p) for p in working),),
+                                   out_specs=placement.specs)
+        return list(assemble(tuple(working))), new_state
 
     def _global_norm(self, grad_leaves):
         """The global gradient norm, or None without clipping."""
