@@ -354,3 +354,46 @@ def test_next_dispatch_is_independent_of_this_chunks_matmuls(rng):
         carried = producers(body, received)  # what the next step receives
         assert "all_to_all" in carried  # the upcoming chunk's dispatch is in the carry
         assert "ragged_dot_general" not in carried and "dot_general" not in carried
+
+
+def test_mosaic_wiring_with_reference_kernels(rng, monkeypatch):
+    """With the Hopper check passed and the Mosaic kernels replaced by reference ones (which
+    write garbage past the groups, as the real forward kernel may), the MoE sorts its rows into
+    an aligned buffer and matches the float64 reference at bf16 rounding."""
+    from test_grouped_matmul import REF_KERNELS
+
+    from peakflat_jax.ops import grouped_matmul as gm
+
+    aligned_rows = []
+    monkeypatch.setattr(gm, "AUTO_SELECTS_MOSAIC", True)
+    monkeypatch.setattr(gm, "hopper_gpu_reason", lambda: None)
+    monkeypatch.setattr(gm, "mosaic_kernels", lambda configs: REF_KERNELS)
+    real_build = gm.build_grouped_matmul
+
+    def build(kernels):
+        fn = real_build(kernels)
+
+        def called(lhs, rhs, sizes):
+            aligned_rows.append(lhs.shape[0])
+            return fn(lhs, rhs, sizes)
+
+        return called
+
+    monkeypatch.setattr(gm, "build_grouped_matmul", build)
+    mesh = make_mesh(("expert", 2))
+    ids, arrays = draw_case(rng, devices=2, experts=4, tokens=12, top_k=2, hidden=128, ffn=128,
+                            profile=skew.SkewProfile(0.8, 1))
+    bf16 = {k: v.astype(jnp.bfloat16) for k, v in arrays.items()}
+    fn = moe_fn(mesh, 4, token_budget=5, llep_min_tokens=2)
+    cotangent = jnp.asarray(rng.standard_normal(arrays["x"].shape), jnp.float32)
+    y, grads = jax.jit(lambda a: value_and_grads(fn, ids, a, cotangent.astype(jnp.bfloat16)))(
+        bf16)
+    assert aligned_rows and all(rows % gm.ROW_ALIGNMENT == 0 for rows in aligned_rows)
+    with jax.enable_x64(True):
+        as64 = {k: jnp.asarray(np.asarray(v, np.float64)) for k, v in bf16.items()}
+        ref_y, ref_grads = value_and_grads(reference.mixture_of_experts, ids, as64,
+                                           jnp.asarray(np.asarray(cotangent.astype(
+                                               jnp.bfloat16), np.float64)))
+    assert relative_error(y, ref_y) < 2.0**-7  # bf16 rounding (about 0.3-0.4% seen)
+    for name, grad, ref in zip(ARGNAMES, grads, ref_grads):
+        assert relative_error(grad, ref) < 2.0**-7, name

@@ -9,7 +9,9 @@ token_budget, strided or contiguous chunks). All compute the same function.
 
 The gpu preset (65,536 tokens per rank, H = 7168, E = 128, top-8, F = 2048) needs the Mosaic GPU
 grouped matmul: XLA's ragged_dot runs at 45 TFLOP/s there and materializes [M, M] temporaries
-(JAX-NOTES.md), so with the portable path it is neither fast nor small. Not run yet.
+(JAX-NOTES.md), so with the portable path it is neither fast nor small. Its cases turn on the
+GPU paths that are off by default until checked on hardware (``grouped_matmul="mosaic"``,
+``exchange="ragged"``): run ``scripts/probe_grouped_matmul.py`` first. Not run yet.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from peakflat_jax import skew
 from peakflat_jax.bench import harness
+from peakflat_jax.ops import expert_exchange, grouped_matmul
 from peakflat_jax.ops.pipelined_moe import pipelined_moe
 
 METHODS = {  # label: pipelined_moe keywords (token_budget filled from the case)
@@ -49,7 +52,7 @@ def presets() -> dict[str, list[dict]]:
         return out
 
     paper = dict(devices=2, experts=128, top_k=8, hidden=7168, ffn=2048, dtype="bfloat16",
-                 llep_min_tokens=1024)
+                 llep_min_tokens=1024, grouped_matmul="mosaic", exchange="ragged")
     small = dict(devices=8, experts=32, top_k=4, hidden=64, ffn=32, dtype="float32",
                  llep_min_tokens=64, repeats=3)
     cpu_profiles = [skew.PAPER_PROFILES[i] for i in (0, 1, 3)]
@@ -84,6 +87,9 @@ def run_case(case: dict) -> dict:
     if len(devices) < case["devices"]:
         return {"error": f"needs {case['devices']} devices, found {len(devices)}"}
     mesh = Mesh(np.array(devices), ("expert",))
+    # This process's choice of the GPU paths that stay off by default until checked there.
+    grouped_matmul.AUTO_SELECTS_MOSAIC = case.get("grouped_matmul") == "mosaic"
+    expert_exchange.RAGGED_ON_GPU = case.get("exchange") == "ragged"
     keywords = dict(METHODS[case["method"]], llep_min_tokens=case["llep_min_tokens"])
     if case["method"] == "pipelined":
         keywords.update(token_budget=case["token_budget"], membership=case["membership"],

@@ -79,6 +79,9 @@ IMPLEMENTATIONS = ("xla", "mosaic")
 # Off until scripts/probe_grouped_matmul.py has checked the kernels on an H200: an automatic
 # choice must not hand users a path no hardware has run.
 AUTO_SELECTS_MOSAIC = False
+# The Mosaic path pads M to a multiple of this (the largest block over M in any kernel), so that
+# no constraint on M remains.
+ROW_ALIGNMENT = 128
 MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Fallback ladders: the smaller blocks still give wgmma whole 64-row warpgroup tiles and TMA
 # copies of at least 64 bytes per row.
@@ -148,10 +151,16 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     if implementation == "xla" or (implementation is None and not AUTO_SELECTS_MOSAIC):
         return _xla_grouped_matmul(lhs, rhs, group_sizes)
     platform_reason = hopper_gpu_reason()
-    configs = mosaic_block_configs(lhs.shape[0], lhs.shape[1], rhs.shape[2], lhs.dtype,
-                                   rhs.dtype)
+    rows = lhs.shape[0]
+    aligned = -(-rows // ROW_ALIGNMENT) * ROW_ALIGNMENT
+    configs = mosaic_block_configs(aligned, lhs.shape[1], rhs.shape[2], lhs.dtype, rhs.dtype)
     if platform_reason is None and isinstance(configs, MosaicConfigs):
-        return build_grouped_matmul(mosaic_kernels(configs))(lhs, rhs, group_sizes)
+        mosaic = build_grouped_matmul(mosaic_kernels(configs))
+        if aligned == rows:
+            return mosaic(lhs, rhs, group_sizes)
+        # Zero rows past M lie past sum(group_sizes): padding, as the contract already has.
+        # A copy of lhs: callers that can allocate aligned rows (row_alignment) avoid it.
+        return mosaic(jnp.pad(lhs, ((0, aligned - rows), (0, 0))), rhs, group_sizes)[:rows]
     reason = platform_reason or configs
     if implementation == "mosaic":
         error = RuntimeError if platform_reason else ValueError
@@ -160,6 +169,14 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         warnings.warn(f"grouped_matmul: taking the slow dense lax.ragged_dot path on a Hopper "
                       f"GPU because the Mosaic kernels cannot run: {reason}", stacklevel=2)
     return _xla_grouped_matmul(lhs, rhs, group_sizes)
+
+
+def row_alignment(implementation: str | None = None) -> int:
+    """The multiple of rows that lets ``grouped_matmul`` take lhs without a padded copy: 128
+    where the Mosaic path would run, else 1. Dtypes and K, N still decide the final choice."""
+    if implementation == "xla" or (implementation is None and not AUTO_SELECTS_MOSAIC):
+        return 1
+    return ROW_ALIGNMENT if hopper_gpu_reason() is None else 1
 
 
 def _xla_grouped_matmul(lhs, rhs, group_sizes):

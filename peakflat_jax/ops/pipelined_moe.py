@@ -61,9 +61,8 @@ import numpy as np
 from jax import lax
 
 from peakflat_jax._validate import as_int, as_positive_float
-from peakflat_jax.ops import expert_exchange, llep_plan
+from peakflat_jax.ops import expert_exchange, grouped_matmul, llep_plan
 from peakflat_jax.ops._shard import vary_alike
-from peakflat_jax.ops.grouped_matmul import grouped_matmul
 
 MEMBERSHIPS = ("strided", "contiguous")
 BALANCES = ("llep", "none")
@@ -301,12 +300,19 @@ def _chunk_layout(layer: _Layer) -> tuple[np.ndarray, np.ndarray]:
 def _expert_ffn(rows, group, weights, num_groups: int):
     """SwiGLU of each row with its group's expert: rows [M, H], group [M] in [0, G] (G: none)."""
     w_gate, w_up, w_down = weights
+    num_rows = rows.shape[0]
     order = jnp.argsort(group, stable=True)
     sizes = jnp.zeros(num_groups + 1, jnp.int32).at[group].add(1)[:num_groups]
-    sorted_rows = rows[order]
-    hidden = jax.nn.silu(grouped_matmul(sorted_rows, w_gate, sizes)) * grouped_matmul(
-        sorted_rows, w_up, sizes)
-    out = grouped_matmul(hidden.astype(rows.dtype), w_down, sizes).astype(rows.dtype)
+    # Sorted into a buffer whose length the grouped matmul takes without a padded copy; the
+    # extra rows (index num_rows: out of range) are zeros past every group.
+    alignment = grouped_matmul.row_alignment()
+    extra = -num_rows % alignment
+    gather = jnp.concatenate([order, jnp.full(extra, num_rows, order.dtype)]) if extra else order
+    sorted_rows = rows.at[gather].get(mode="fill", fill_value=0)
+    hidden = jax.nn.silu(grouped_matmul.grouped_matmul(sorted_rows, w_gate, sizes)) * (
+        grouped_matmul.grouped_matmul(sorted_rows, w_up, sizes))
+    out = grouped_matmul.grouped_matmul(hidden.astype(rows.dtype), w_down, sizes)
+    out = out[:num_rows].astype(rows.dtype)
     return jnp.zeros_like(out).at[order].set(out)
 
 
