@@ -47,9 +47,11 @@ unmet; a forced ``"mosaic"`` raises with it):
   N % block_n and M % block_k (dW's blocks then never read past row M). The preferred blocks
   are block_m = block_n = 128 and block_k = 64, with 6 pipeline stages and ``grid_block_n`` =
   4, the fastest measured on an H200 for the forward at K = 4096, N = 2048; the backward kernels
-  use the same until ``scripts/probe_grouped_matmul.py`` tunes them. A dimension that a
+  use the same until ``scripts/probe_grouped_matmul.py`` tunes them. M is padded with zero
+  rows to a multiple of ``ROW_ALIGNMENT`` = 128 (a copy of lhs, unless the caller allocated
+  aligned rows: ``row_alignment``), so the M constraints always hold. A K or N that a
   preferred block does not divide takes the next smaller one (128 -> 64; block_k 64 -> 32), so
-  M, K and N that are multiples of 64, with K, N >= 128, always fit; nothing is padded;
+  K and N that are multiples of 64 and at least 128 always fit; they are never padded;
 - at least two pipeline steps along the contraction of the forward and dx kernels
   (K // block_k, N // block_k >= 2), since their pipelines hold back one stage;
 - the kernels are single-device custom calls: call under ``jax.shard_map`` (as the MoE layer
