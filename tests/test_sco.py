@@ -83,37 +83,64 @@ def test_gradient_moves_exactly_the_chosen_boundaries(rng, offload, expected):
     assert moves == ["MemorySpace.Host"] * expected + ["MemorySpace.Device"] * expected
 
 
-def barriers(jaxpr) -> list[list[str]]:
-    """For every optimization_barrier in a jaxpr (nested included), its operands' kinds: "host"
-    for a value made by a device_put to host, else "value"."""
-    found, host = [], set()
+def jaxprs(jaxpr):
+    """A jaxpr and every jaxpr nested in it."""
+    yield jaxpr
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "device_put" and "Host" in str(eqn.params["devices"]):
-            host.update(eqn.outvars)
-        if eqn.primitive.name == "optimization_barrier":
-            found.append(["host" if v in host else "value" for v in eqn.invars])
         for value in eqn.params.values():
             for sub in value if isinstance(value, (list, tuple)) else [value]:
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    found += barriers(inner)
-    return found
+                    yield from jaxprs(inner)
+
+
+def barriers(jaxpr) -> list[tuple[list[str], list[bool]]]:
+    """Every optimization_barrier (nested jaxprs included): its operands' kinds ("host" for a
+    value made by a device_put to host, else "value") and, per output, whether anything in its
+    jaxpr reads it; and per device_put to the device (a restore), whether its operand came out
+    of a barrier of its own rather than straight from the forward's copy tie."""
+    found, restores = [], []
+    for inner in jaxprs(jaxpr):
+        host, read = set(), set(inner.outvars)
+        made_by_barrier = {}  # output -> whether that barrier took a fresh host copy
+        for eqn in inner.eqns:
+            read.update(v for v in eqn.invars if not hasattr(v, "val"))
+        for eqn in inner.eqns:
+            if eqn.primitive.name == "device_put":
+                if "Host" in str(eqn.params["devices"]):
+                    host.update(eqn.outvars)
+                else:  # a restore: behind a barrier of its own, not the forward's tie
+                    restores.append(made_by_barrier.get(eqn.invars[0]) is False)
+            if eqn.primitive.name == "optimization_barrier":
+                takes_copy = eqn.invars[0] in host
+                made_by_barrier.update({v: takes_copy for v in eqn.outvars})
+                found.append((["host" if v in host else "value" for v in eqn.invars],
+                              [v in read for v in eqn.outvars]))
+    return found, restores
 
 
 def test_transfers_and_layers_are_tied_in_order(rng):
     """The ties that keep XLA's GPU scheduler in line (each found missing on an H200): each
-    host copy must finish with its layer's forward, and each layer's recompute must wait for
-    the whole backward of the layer above, its parameter gradients included."""
+    host copy must finish with its layer's forward, each restore is issued behind a barrier, and
+    each layer's recompute must wait for the whole backward of the layer above, its parameter
+    gradients included. A tie counts only if what comes out of the barrier is what is used."""
     h, params, _ = draw(rng)
     jaxpr = jax.make_jaxpr(jax.grad(
         lambda h, p: pf.sco_scan(layer_fn, h, p, offload=LAYERS).sum(), argnums=(0, 1)))(
         h, params)
-    found = barriers(jaxpr.jaxpr)
-    forward_ties = [b for b in found if b == ["host", "value"]]
-    assert len(forward_ties) == LAYERS
+    found, restores = barriers(jaxpr.jaxpr)
+    forward_ties = [used for kinds, used in found if kinds == ["host", "value"]]
+    assert len(forward_ties) == LAYERS and all(all(used) for used in forward_ties)
     num_param_leaves = len(jax.tree.leaves(params))
-    whole_layer_ties = [b for b in found if len(b) == 2 + num_param_leaves]
-    assert len(whole_layer_ties) == LAYERS - 1
+    whole_layer_ties = [used for kinds, used in found if len(kinds) == 2 + num_param_leaves]
+    assert len(whole_layer_ties) == LAYERS - 1 and all(all(u) for u in whole_layer_ties)
+    assert len(restores) == LAYERS and all(restores)
+
+
+def test_no_copies_without_differentiation(rng):
+    h, params, _ = draw(rng)
+    jaxpr = jax.make_jaxpr(lambda h, p: pf.sco_scan(layer_fn, h, p, offload=LAYERS))(h, params)
+    assert transfers(jaxpr.jaxpr) == []
 
 
 @pytest.mark.parametrize("budget, count", [(0, 0), (BOUNDARY_BYTES - 1, 0), (BOUNDARY_BYTES, 1),
