@@ -10,6 +10,7 @@ import argparse
 import importlib
 import json
 import os
+import shlex
 import sys
 
 BENCHMARKS = {"ring_dtp": "peakflat_jax.bench.ring_dtp",
@@ -37,7 +38,7 @@ def _bench(args: argparse.Namespace) -> int:
         cases = [c for c in cases if any(text in json.dumps(c) for text in args.only)]
     if args.repeats is not None:
         cases = [dict(c, repeats=args.repeats) for c in cases]
-    command = "peakflat " + " ".join(args.argv)
+    command = shlex.join(["peakflat", *args.argv])
     record = harness.run_suite(BENCHMARKS[args.operator], args.operator, args.preset, cases,
                                command=command, out_dir=args.out_dir)
     print(json.dumps(record, indent=1) if args.json else module.summarize(record))

@@ -32,6 +32,7 @@ G = E_l + max_foreign_experts groups, M = D * k * c rows that reach a device per
                                        with the received rows' cotangent and its way home)
     expert FFN: 3 * M * F * 4          gate and up projections (fp32), their product
     weights:    2 * 3 * G * H * F * b  local + foreign experts side by side, and their gradients
+                + 3 * G * H * F * 4    backward's fp32 sum of the chunks' weight gradients
     tokens:     3 * N * H * b          chunked copies of x and y, the output gather
     routing:    O(N * k) int32 metadata
 
@@ -128,6 +129,9 @@ def pipelined_moe(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_gate:
 
     Returns:
       ``[N, H]`` in x's dtype; rows whose ids leave ``[0, num_experts)`` are NaN.
+
+    Reverse-mode differentiable (a custom VJP over the chunks): ``jax.jvp`` and ``jacfwd``
+    raise.
     """
     layer = _describe_call(x, expert_ids, gates, w_gate, w_up, w_down, axis_name, num_experts,
                            token_budget, max_chunks, membership, balance, llep_threshold,

@@ -34,8 +34,12 @@ FSDP. Params (and grads, placed alike) may be NamedShardings on one mesh. The bu
 cut from each device's own shards, and each bucket of the state is one global array of
 ``num_devices * bucket`` elements, a piece per device in host memory. Each device updates only
 its shards (``shard_map``): the step moves nothing between devices except, with clipping, the
-scalar global norm (an all-reduce). Replicated leaves are updated identically on every device
-that holds them. Unsharded params run the same code on a one-device mesh.
+scalar global norm (an all-reduce). Unsharded params run the same code on a one-device mesh.
+Limit: a leaf replicated over some mesh axes is updated identically on every device that holds
+it, so its host state and its host traffic are multiplied by its replication (on a mesh of
+pure data parallelism, by the number of devices); sharding the state over the replicas (ZeRO-1)
+is not done. Checkpoints record the layout, and ``restore`` refuses one saved for another
+(the pieces belong to mesh positions); ``save`` gathers the state into one process.
 
 The update is optax.adamw's, operation for operation (``mu_dtype=float32``): after every step the
 master equals optax.adamw applied to fp32 parameters with the same gradients upcast to fp32
@@ -199,6 +203,18 @@ class _Layout:
         buckets."""
         return self.assemble([self.pieces(a, b, dtypes) for b, a in enumerate(buckets)], dtypes)
 
+    def describe(self) -> dict:
+        """What a checkpoint must match to be restored here (JSON): the buckets, and the mesh
+        positions and shards whose pieces they hold."""
+        mesh = self.placement.mesh
+        return {"bucket_sizes": list(self.bucket_sizes),
+                "shapes": [list(shape) for shape in self.shapes],
+                "dtypes": [str(dtype) for dtype in self.dtypes],
+                # In order: the state's pieces follow the mesh positions, axis by axis.
+                "mesh": [[str(name), int(size)] for name, size in mesh.shape.items()],
+                "specs": [str(spec) for spec in self.placement.specs],
+                "local_shapes": [list(shape) for shape in self.placement.local_shapes]}
+
     def state_shapes(self) -> tuple[tuple[int], ...]:
         return tuple((self.placement.num_devices * n,) for n in self.bucket_sizes)
 
@@ -301,24 +317,36 @@ class OffloadStreamAdamW:
     # -- checkpoints ----------------------------------------------------------------------------
 
     def save(self, directory, state: OffloadAdamWState) -> None:
-        """Writes the state with orbax-checkpoint (a new directory)."""
-        checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save(pathlib.Path(directory).absolute(), jax.device_get(state))
-        checkpointer.wait_until_finished()
+        """Writes the state and its layout with orbax-checkpoint (a new directory).
+
+        One process (one host): the state is gathered into this process to be written."""
+        layout = self._require_layout()
+        layout.check(state)
+        checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+        checkpointer.save(pathlib.Path(directory).absolute(), args=ocp.args.Composite(
+            state=ocp.args.StandardSave(jax.device_get(state)),
+            layout=ocp.args.JsonSave(layout.describe())))
 
     def restore(self, directory) -> OffloadAdamWState:
         """The state saved by ``save``, back in host memory; ``init`` must have been called with
-        params of the same structure and placement (they fix the bucket layout)."""
+        params of the same structure and placement (they fix the bucket layout). A checkpoint
+        of another layout is refused: its pieces belong to other shards."""
         layout = self._require_layout()
+        path = pathlib.Path(directory).absolute()
+        checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+        saved_layout = checkpointer.restore(
+            path, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))["layout"]
+        differences = {key: (value, layout.describe()[key]) for key, value in saved_layout.items()
+                       if layout.describe().get(key) != value}
+        if differences:
+            raise ValueError(f"state: the checkpoint in {directory} was saved for another layout "
+                             f"(saved vs this optimizer's): {differences}")
         buckets = tuple(jax.ShapeDtypeStruct(shape, jnp.float32)
                         for shape in layout.state_shapes())
         target = OffloadAdamWState(jax.ShapeDtypeStruct((), jnp.int32), buckets, buckets, buckets)
-        try:
-            saved = ocp.StandardCheckpointer().restore(pathlib.Path(directory).absolute(), target)
-        except ValueError as error:  # another bucket count: orbax's tree structures differ
-            raise ValueError(f"state: the checkpoint in {directory} holds another bucket layout "
-                             f"than this optimizer's {layout.bucket_sizes}: {error}") from error
-        layout.check(saved)  # orbax returns what was saved, whatever the target's shapes
+        saved = checkpointer.restore(path, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target)))["state"]
+        layout.check(saved)
         host = layout.placement.state_sharding("pinned_host")
         return OffloadAdamWState(
             jax.device_put(saved.count, layout.placement.replicated()),
@@ -331,7 +359,8 @@ class OffloadStreamAdamW:
         """New working params (on device, in the params' dtypes and shardings) and the new
         state (on host).
 
-        The state passed in is donated: use the returned one.
+        The state passed in is donated: use the returned one. Grads placed unlike the params are
+        moved to the params' placement first.
         """
         layout = self._require_layout()
         leaves, treedef = jax.tree.flatten(grads)
@@ -341,14 +370,11 @@ class OffloadStreamAdamW:
         shapes = tuple(leaf.shape for leaf in leaves)
         if shapes != layout.shapes:
             raise ValueError(f"grads: expected leaf shapes {layout.shapes}, got {shapes}")
-        placement = _Placement.of(leaves, "grads")
-        if (placement.mesh, placement.local_shapes) != (layout.placement.mesh,
-                                                        layout.placement.local_shapes) or any(
-                a != b for a, b in zip(placement.leaf_shardings(),
-                                       layout.placement.leaf_shardings())
-                if not a.is_equivalent_to(b, len(a.spec))):
-            raise ValueError("grads: expected them placed like the params (the same device or "
-                             "mesh, and the same PartitionSpecs)")
+        # Grads placed otherwise (GSPMD may choose another layout for them) are moved to the
+        # params' placement first: a resharding collective, never a different update.
+        leaves = [g if isinstance(getattr(g, "sharding", None), jax.sharding.Sharding)
+                  and g.sharding.is_equivalent_to(target, g.ndim) else jax.device_put(g, target)
+                  for g, target in zip(leaves, layout.placement.leaf_shardings())]
         layout.check(state)
         if self._step_fn is None:
             self._step_fn = self._compile_step()
