@@ -286,14 +286,7 @@ def test_ragged_round_trip_equals_padded(rng, ragged_exchange, devices):
 
 @pytest.mark.parametrize("setting", [1, 3, 5, 8])
 def test_ragged_exchange_matches_reference(rng, ragged_exchange, setting):
-    case, token_budget, membership, balance = SETTINGS[setting]
-    devices, experts, tokens, top_k, profile = CASES[case]
-    mesh = make_mesh(("expert", devices))
-    ids, arrays = draw_case(rng, devices=devices, experts=experts, tokens=tokens, top_k=top_k,
-                            profile=profile)
-    fn = moe_fn(mesh, experts, token_budget=token_budget, membership=membership,
-                balance=balance, llep_min_tokens=2)
-    assert_matches_reference(fn, ids, arrays, rng)
+    test_matches_reference(rng, *SETTINGS[setting])  # with the ragged exchange patched in
 
 
 def test_exchange_kind_is_padded_until_checked_on_a_gpu():
