@@ -109,6 +109,7 @@ def run_suite(module: str, name: str, preset: str, cases: list[dict], *, command
     out_dir = RESULTS_DIR if out_dir is None else pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}_{preset}_{now:%Y%m%d-%H%M%S}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")  # exists even if no case matched
     for case in cases:
         print(f"[{name}] {json.dumps(case)}", file=sys.stderr, flush=True)
         result = memory.run_in_fresh_process(module, ["--case", json.dumps(case)],

@@ -150,7 +150,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                          f"got {implementation!r}")
     _check_operands(lhs, rhs, group_sizes)
     group_sizes = group_sizes.astype(jnp.int32)
-    if implementation == "xla" or (implementation is None and not AUTO_SELECTS_MOSAIC):
+    if not _considers_mosaic(implementation):
         return _xla_grouped_matmul(lhs, rhs, group_sizes)
     platform_reason = hopper_gpu_reason()
     rows = lhs.shape[0]
@@ -176,9 +176,14 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
 def row_alignment(implementation: str | None = None) -> int:
     """The multiple of rows that lets ``grouped_matmul`` take lhs without a padded copy: 128
     where the Mosaic path would run, else 1. Dtypes and K, N still decide the final choice."""
-    if implementation == "xla" or (implementation is None and not AUTO_SELECTS_MOSAIC):
+    if not _considers_mosaic(implementation):
         return 1
     return ROW_ALIGNMENT if hopper_gpu_reason() is None else 1
+
+
+def _considers_mosaic(implementation: str | None) -> bool:
+    """Whether ``implementation`` asks for the Mosaic path, where it can run."""
+    return implementation == "mosaic" or (implementation is None and AUTO_SELECTS_MOSAIC)
 
 
 def _xla_grouped_matmul(lhs, rhs, group_sizes):

@@ -340,11 +340,20 @@ def _send(layer: _Layer, rows, destination, routes, fill=0):
     return expert_exchange.exchange(sent, axis).reshape(-1, *rows.shape[1:])
 
 
-def _dispatch(layer: _Layer, x_chunk, destination, group):
-    """A chunk's dispatch: (received rows [D * S, H], their groups [D * S], routes)."""
+def _send_tokens(layer: _Layer, x_chunk, destination, routes):
+    """Each token's row, once per slot (slot (n, j) at row n*k + j), sent: [D * S, H]."""
+    return _send(layer, jnp.repeat(x_chunk, layer.top_k, axis=0), destination, routes)
+
+
+def _dispatch(layer: _Layer, chunks, i):
+    """Chunk i's dispatch: (received rows [D * S, H], their groups [D * S], routes).
+    ``chunks``: the chunked (x, gates, destination, group)."""
+    x_chunks, _, destination_chunks, group_chunks = chunks
+    destination = destination_chunks[i]
     routes = _chunk_routes(layer, destination)
-    rows = _send(layer, jnp.repeat(x_chunk, layer.top_k, axis=0), destination, routes)
-    groups = _send(layer, group.reshape(-1), destination, routes, fill=layer.num_groups)
+    rows = _send_tokens(layer, x_chunks[i], destination, routes)
+    groups = _send(layer, group_chunks[i].reshape(-1), destination, routes,
+                   fill=layer.num_groups)
     return rows, groups, routes
 
 
@@ -375,8 +384,7 @@ def _run_chunks(layer: _Layer, weights, x_chunks, gate_chunks, destination_chunk
     of a scan would save every carried receive buffer, the whole dispatch; backward instead
     re-dispatches and recomputes chunk by chunk, pipelined the same way in reverse.
     """
-    def dispatch(i):
-        return _dispatch(layer, x_chunks[i], destination_chunks[i], group_chunks[i])
+    chunks = (x_chunks, gate_chunks, destination_chunks, group_chunks)
 
     def process(i, sent):
         received, received_group, routes = sent
@@ -384,11 +392,11 @@ def _run_chunks(layer: _Layer, weights, x_chunks, gate_chunks, destination_chunk
                         routes, gate_chunks[i])
 
     def step(sent, i):
-        upcoming = dispatch(i + 1)  # issued before this chunk's matmuls
+        upcoming = _dispatch(layer, chunks, i + 1)  # issued before this chunk's matmuls
         return upcoming, process(i, sent)
 
     last = layer.num_chunks - 1
-    sent, outputs = lax.scan(step, dispatch(0), jnp.arange(last))
+    sent, outputs = lax.scan(step, _dispatch(layer, chunks, 0), jnp.arange(last))
     return jnp.concatenate([outputs, process(last, sent)[None]])
 
 
@@ -398,10 +406,8 @@ def _run_chunks_fwd(layer, weights, x_chunks, gate_chunks, destination_chunks, g
 
 
 def _run_chunks_bwd(layer, residuals, d_outputs):
-    weights, x_chunks, gate_chunks, destination_chunks, group_chunks = residuals
-
-    def dispatch(i):
-        return _dispatch(layer, x_chunks[i], destination_chunks[i], group_chunks[i])
+    weights, *chunks = residuals
+    x_chunks, gate_chunks, destination_chunks, _ = chunks
 
     def chunk_grads(i, sent, d_weights):
         """Chunk i recomputed from its dispatch, and differentiated; dW accumulates in fp32."""
@@ -413,22 +419,21 @@ def _run_chunks_bwd(layer, residuals, d_outputs):
 
         _, vjp = jax.vjp(process, weights, received, gate_chunks[i])
         d_w, d_received, d_gates = vjp(d_outputs[i])
-        expand = lambda x: _send(  # noqa: E731
-            layer, jnp.repeat(x, layer.top_k, axis=0), destination, routes)
-        (d_x,) = jax.linear_transpose(expand, x_chunks[i])(d_received)
+        (d_x,) = jax.linear_transpose(
+            lambda x: _send_tokens(layer, x, destination, routes), x_chunks[i])(d_received)
         d_weights = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), d_weights, d_w)
         return d_weights, d_x, d_gates
 
     def step(carry, i):  # i = K-1, ..., 1
         sent, d_weights = carry
-        upcoming = dispatch(i - 1)  # issued before this chunk's recompute
+        upcoming = _dispatch(layer, chunks, i - 1)  # issued before this chunk's recompute
         d_weights, d_x, d_gates = chunk_grads(i, sent, d_weights)
         return (upcoming, d_weights), (d_x, d_gates)
 
     zeros = jax.tree.map(lambda w: jnp.zeros_like(w, jnp.float32), weights)
     last = layer.num_chunks - 1
     (sent, d_weights), (d_x, d_gates) = lax.scan(
-        step, (dispatch(last), zeros), jnp.arange(1, last + 1), reverse=True)
+        step, (_dispatch(layer, chunks, last), zeros), jnp.arange(1, last + 1), reverse=True)
     d_weights, d_x0, d_gates0 = chunk_grads(0, sent, d_weights)
     d_weights = jax.tree.map(lambda g, w: g.astype(w.dtype), d_weights, weights)
     return (d_weights, jnp.concatenate([d_x0[None], d_x]),

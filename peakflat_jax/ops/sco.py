@@ -140,8 +140,7 @@ def _layer_params(stacked_params, layer: int):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _sco_scan(layer_fn, chosen, h, stacked_params):
     # Without differentiation nothing reads the boundaries again: no copies, no barriers.
-    del chosen
-    for layer in range(jax.tree.leaves(stacked_params)[0].shape[0]):
+    for layer in range(len(chosen)):
         h = layer_fn(h, _layer_params(stacked_params, layer))
     return h
 

@@ -93,18 +93,18 @@ class _Placement:
     local_shapes: tuple[tuple[int, ...], ...]
 
     @classmethod
-    def of(cls, leaves, what: str = "params") -> _Placement:
+    def of(cls, leaves) -> _Placement:
         shardings = [leaf.sharding for leaf in leaves]
         if all(isinstance(s, SingleDeviceSharding) for s in shardings):
             devices = {d for s in shardings for d in s.device_set}
             if len(devices) != 1:
-                raise ValueError(f"{what}: expected every leaf on one device or on one mesh, "
+                raise ValueError(f"params: expected every leaf on one device or on one mesh, "
                                  f"got leaves on {len(devices)} devices")
             mesh = Mesh(np.array(list(devices)), ("device",))
             return cls(mesh, tuple(P() for _ in leaves), tuple(leaf.shape for leaf in leaves))
         meshes = {s.mesh for s in shardings if isinstance(s, NamedSharding)}
         if len(meshes) != 1 or not all(isinstance(s, NamedSharding) for s in shardings):
-            raise ValueError(f"{what}: expected every leaf to be a NamedSharding on one mesh "
+            raise ValueError(f"params: expected every leaf to be a NamedSharding on one mesh "
                              f"(or every leaf on one device), got {sorted(map(str, shardings))}")
         mesh = meshes.pop()
         return cls(mesh, tuple(s.spec for s in shardings),
@@ -336,8 +336,9 @@ class OffloadStreamAdamW:
         checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
         saved_layout = checkpointer.restore(
             path, args=ocp.args.Composite(layout=ocp.args.JsonRestore()))["layout"]
-        differences = {key: (value, layout.describe()[key]) for key, value in saved_layout.items()
-                       if layout.describe().get(key) != value}
+        expected = layout.describe()
+        differences = {key: (value, expected.get(key)) for key, value in saved_layout.items()
+                       if expected.get(key) != value}
         if differences:
             raise ValueError(f"state: the checkpoint in {directory} was saved for another layout "
                              f"(saved vs this optimizer's): {differences}")
