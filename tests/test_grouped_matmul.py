@@ -86,6 +86,24 @@ REF_KERNELS = gm.GroupedMatmulKernels(forward=ref_forward, input_grad=ref_input_
                                       weight_grad=ref_weight_grad)
 
 
+def typed_like_pallas(kernel):
+    """``kernel`` whose result, like a ``pallas_call``'s inside a ``shard_map``, is typed as
+    invariant over the manual mesh axes (a host callback drops the varying type the same way)."""
+
+    def call(*operands):
+        result = kernel(*operands)
+        return jax.pure_callback(np.asarray, jax.ShapeDtypeStruct(result.shape, result.dtype),
+                                 result)
+
+    return call
+
+
+# What the MoE tests swap in for the Mosaic kernels.
+PALLAS_TYPED_REF_KERNELS = gm.GroupedMatmulKernels(
+    forward=typed_like_pallas(ref_forward), input_grad=typed_like_pallas(ref_input_grad),
+    weight_grad=typed_like_pallas(ref_weight_grad))
+
+
 # ----------------------------------------------------------------------------------------------
 # The paths on CPU.
 

@@ -351,16 +351,17 @@ def test_next_dispatch_is_independent_of_this_chunks_matmuls(rng):
 
 def test_mosaic_wiring_with_reference_kernels(rng, monkeypatch):
     """With the Hopper check passed and the Mosaic kernels replaced by reference ones (which
-    write garbage past the groups, as the real forward kernel may), the MoE sorts its rows into
-    an aligned buffer and matches the float64 reference at bf16 rounding."""
-    from test_grouped_matmul import REF_KERNELS
+    write garbage past the groups, as the real forward kernel may, and are typed invariant over
+    the mesh axes, as a pallas_call is), the MoE sorts its rows into an aligned buffer and
+    matches the float64 reference at bf16 rounding."""
+    from test_grouped_matmul import PALLAS_TYPED_REF_KERNELS
 
     from peakflat_jax.ops import grouped_matmul as gm
 
     aligned_rows = []
     monkeypatch.setattr(gm, "AUTO_SELECTS_MOSAIC", True)
     monkeypatch.setattr(gm, "hopper_gpu_reason", lambda: None)
-    monkeypatch.setattr(gm, "mosaic_kernels", lambda configs: REF_KERNELS)
+    monkeypatch.setattr(gm, "mosaic_kernels", lambda configs: PALLAS_TYPED_REF_KERNELS)
     real_build = gm.build_grouped_matmul
 
     def build(kernels):

@@ -52,7 +52,7 @@ def presets() -> dict[str, list[dict]]:
         return out
 
     paper = dict(devices=2, experts=128, top_k=8, hidden=7168, ffn=2048, dtype="bfloat16",
-                 llep_min_tokens=1024, grouped_matmul="mosaic", exchange="ragged")
+                 llep_min_tokens=1024, grouped_matmul="mosaic", exchange="padded")
     small = dict(devices=8, experts=32, top_k=4, hidden=64, ffn=32, dtype="float32",
                  llep_min_tokens=64, repeats=3)
     cpu_profiles = [skew.PAPER_PROFILES[i] for i in (0, 1, 3)]

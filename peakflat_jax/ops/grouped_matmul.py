@@ -297,6 +297,20 @@ def mosaic_kernels(configs: MosaicConfigs) -> GroupedMatmulKernels:
     return GroupedMatmulKernels(forward=forward, input_grad=input_grad, weight_grad=weight_grad)
 
 
+def varying_like(value: jax.Array, *like: jax.Array) -> jax.Array:
+    """``value`` marked as varying over every mesh axis that any of ``like`` varies over.
+
+    Inside a ``shard_map`` a ``pallas_call`` (the Mosaic kernels) returns values typed as
+    invariant over the manual axes, whatever its operands; a custom VJP whose backward returned
+    such a value for a varying input fails to trace. The cast only changes the type.
+    """
+    def varying(x):  # jax 0.11 keeps the axes in the aval's manual_axis_type (shown as {V:..})
+        return set(jax.typeof(x).manual_axis_type.varying)
+
+    axes = set().union(*map(varying, like)) - varying(value)
+    return lax.pcast(value, tuple(sorted(axes)), to="varying") if axes else value
+
+
 @functools.lru_cache(maxsize=None)
 def build_grouped_matmul(kernels: GroupedMatmulKernels) -> Callable:
     """``f(lhs, rhs, group_sizes int32) -> [M, N] fp32`` with a custom VJP from ``kernels``:
@@ -307,7 +321,7 @@ def build_grouped_matmul(kernels: GroupedMatmulKernels) -> Callable:
         return (jnp.arange(m, dtype=jnp.int32) < jnp.sum(group_sizes))[:, None]
 
     def forward(lhs, rhs, group_sizes):
-        out = kernels.forward(lhs, rhs, group_sizes)
+        out = varying_like(kernels.forward(lhs, rhs, group_sizes), lhs, rhs, group_sizes)
         # A select, not a multiply: the unwritten rows may hold NaN.
         return jnp.where(valid_rows(lhs.shape[0], group_sizes), out.astype(jnp.float32), 0.0)
 
@@ -324,8 +338,9 @@ def build_grouped_matmul(kernels: GroupedMatmulKernels) -> Callable:
         # The kernels take one dtype: dy is rounded to the inputs' dtype, with its padded rows
         # zeroed so that the weight-gradient kernel's partial last block adds nothing.
         dy = jnp.where(valid, d_out, 0.0).astype(lhs.dtype)
-        dx = jnp.where(valid, kernels.input_grad(dy, rhs, group_sizes), 0.0).astype(lhs.dtype)
-        dw = kernels.weight_grad(lhs, dy, group_sizes).astype(rhs.dtype)
+        dx = varying_like(kernels.input_grad(dy, rhs, group_sizes), lhs)
+        dx = jnp.where(valid, dx, 0.0).astype(lhs.dtype)
+        dw = varying_like(kernels.weight_grad(lhs, dy, group_sizes), rhs).astype(rhs.dtype)
         return dx, dw, None
 
     grouped.defvjp(grouped_fwd, grouped_bwd)
