@@ -132,7 +132,8 @@ def test_cpu_path_bf16_output_is_fp32(rng):
                                                       preferred_element_type=jnp.float32))
 
 
-def test_automatic_choice_stays_on_xla_until_the_gpu_check(rng, monkeypatch):
+def test_automatic_choice_is_xla_when_switched_off(rng, monkeypatch):
+    monkeypatch.setattr(gm, "AUTO_SELECTS_MOSAIC", False)
     monkeypatch.setattr(gm, "hopper_gpu_reason", lambda: None)
     monkeypatch.setattr(gm, "mosaic_kernels", lambda configs: pytest.fail("took Mosaic"))
     x, w, sizes, _ = draw(rng, (100, 0, 60), 192, k=128, n=128, dtype=jnp.bfloat16)
@@ -170,20 +171,18 @@ def test_blocks_of_the_expert_shape():
     assert configs.forward == gm.BlockConfig(128, 128, 64, 6, 4)
 
 
-def test_blocks_fall_back_to_smaller():
-    # M = 64*65, K = 64*17, N = 64*9: every 128 falls to 64; 9 column tiles take grid_block_n 1.
-    configs = gm.mosaic_block_configs(4160, 1088, 576, jnp.bfloat16, jnp.bfloat16)
-    assert configs.forward == gm.BlockConfig(64, 64, 64, 6, 1)
-    assert configs.input_grad == gm.BlockConfig(64, 64, 64, 6, 1)  # columns: K = 17 tiles
-    assert configs.weight_grad == gm.BlockConfig(64, 64, 64, 6, 1)
-    configs = gm.mosaic_block_configs(256, 128, 96 * 2, jnp.float16, jnp.float16)
-    assert configs.forward == gm.BlockConfig(128, 64, 64, 6, 1)
+def test_blocks_never_shrink_and_snakes_stay_whole():
+    # K = 128*9 makes 9 dx column tiles: grid_block_n 4 halves to 1; N = 128*6 makes 6 forward
+    # and dW column tiles: 2. Block sizes stay the preferred (the only ones run on an H200).
+    configs = gm.mosaic_block_configs(256, 128 * 9, 128 * 6, jnp.float16, jnp.float16)
+    assert configs.forward == gm.BlockConfig(128, 128, 64, 6, 2)
     assert configs.input_grad == gm.BlockConfig(128, 128, 64, 6, 1)
-    assert configs.weight_grad == gm.BlockConfig(128, 64, 64, 6, 1)
+    assert configs.weight_grad == gm.BlockConfig(128, 128, 64, 6, 2)
 
 
 @pytest.mark.parametrize("shape,dtypes,match", [
-    ((256, 96, 128), ("bfloat16",) * 2, r"dx .*K % block_n == 0.*K=96"),
+    ((256, 192, 128), ("bfloat16",) * 2, r"dx .*K % block_n == 0.*K=192"),
+    ((256, 128, 192), ("bfloat16",) * 2, r"forward kernel needs N % block_n == 0.*N=192"),
     ((256, 128, 100), ("bfloat16",) * 2, r"forward kernel needs N % block_n == 0.*N=100"),
     ((200, 128, 128), ("bfloat16",) * 2, r"forward kernel needs M % block_m == 0.*M=200"),
     ((256, 64, 128), ("bfloat16",) * 2, r"forward kernel needs K // block_k >= 2"),

@@ -235,10 +235,25 @@ def test_bad_input_names_the_argument(change, argument):
 # -- the ragged exchange (GPU form), checked on CPU with an emulated ragged_all_to_all ----------
 
 
+def never_differentiated(operand, output, *routing, axis_name):
+    """The emulated collective, failing if anything differentiates it: the ragged exchange must
+    take its own transposes (jax's rule for the real collective gave wrong gradients on GPUs)."""
+
+    @jax.custom_jvp
+    def collective(operand, output):
+        return expert_exchange.emulated_ragged_all_to_all(operand, output, *routing,
+                                                          axis_name=axis_name)
+
+    @collective.defjvp
+    def _differentiated(primals, tangents):
+        raise AssertionError("the ragged all-to-all itself was differentiated")
+
+    return collective(operand, output)
+
+
 @pytest.fixture
 def ragged_exchange(monkeypatch):
-    monkeypatch.setattr(expert_exchange, "RAGGED_ALL_TO_ALL",
-                        expert_exchange.emulated_ragged_all_to_all)
+    monkeypatch.setattr(expert_exchange, "RAGGED_ALL_TO_ALL", never_differentiated)
     monkeypatch.setattr(expert_exchange, "exchange_kind", lambda: "ragged")
 
 

@@ -12,13 +12,22 @@ only the rows that exist, sorted by destination, and each receiver lays its sour
 end in a buffer of the worst case, D * S rows. Buffers: S rows sent and D * S received going
 out, D * S sent and S received coming back: (D + 1) * S rows each way instead of 2 * D * S. The
 per-chunk send counts are all-gathered ([D, D] int32) so that every sender knows where its rows
-land. Its transpose is another ragged all-to-all, so the backward keeps the same bound.
+land. ``dispatch`` and ``combine`` are each other's transposes, stated as custom VJPs, so the
+backward is the same two ragged all-to-alls and keeps the same bound.
 
-Status (2026-11-30): the ragged form has not yet run on a GPU; on CPU its routing is tested
-against the padded form with ``emulated_ragged_all_to_all``, a stand-in with
-``lax.ragged_all_to_all``'s semantics built from an all-gather (tests only: it gathers every
-source's rows). Until an H200 run has checked it, ``exchange_kind()`` returns "padded"
-everywhere (``RAGGED_ON_GPU``).
+Status: the ragged form is off (``RAGGED_ON_GPU``); ``exchange_kind()`` returns "padded"
+everywhere. On 2 H200s (``scripts/probe_ragged_exchange.py``, records
+``scripts/results/ragged_exchange_probe_20261130-*.json``), through ``pipelined_moe`` under
+skew, its forward matched the padded form (loss to 2e-7) but the gradients of x and the expert
+weights did not (relative difference ~1, with and without XLA's
+``--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer``): the backward went through
+jax's transpose rule of ``ragged_all_to_all``. The custom VJPs that now replace that rule are
+tested on CPU (where differentiating the collective fails the test) but have not yet run on a
+GPU. One chunk's round trip at the paper's shape (52,432 rows of 7168 bf16 per device) took
+491.7 ms against 11.0 ms padded, and 15.7 ms with the decomposer, whose plan then held 6.0 GB
+against the padded form's 3.0 GB. On CPU its routing is tested against the padded form with
+``emulated_ragged_all_to_all``, a stand-in with ``lax.ragged_all_to_all``'s semantics built
+from an all-gather (tests only: it gathers every source's rows).
 
 Legend: D devices of the expert-parallel axis, S token-slots of one chunk from one source.
 """
@@ -26,13 +35,14 @@ Legend: D devices of the expert-parallel axis, S token-slots of one chunk from o
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 KINDS = ("padded", "ragged")
-# Off until an H200 run has checked the ragged form: the default must be a path hardware ran.
+# Off: on 2 H200s the ragged form's gradients were wrong and its round trip slower (module doc).
 RAGGED_ON_GPU = False
 # The collective the ragged form calls; tests on CPU put emulated_ragged_all_to_all here.
 RAGGED_ALL_TO_ALL = lax.ragged_all_to_all
@@ -106,7 +116,25 @@ def ragged_routes(destination: jax.Array, num_devices: int, axis_name) -> Ragged
 
 def dispatch(rows: jax.Array, routes: RaggedRoutes, num_devices: int, axis_name,
              fill=0) -> jax.Array:
-    """``[D * S, ...]``: the rows sent to this device, source by source, then ``fill``."""
+    """``[D * S, ...]``: the rows sent to this device, source by source, then ``fill``.
+    Linear in ``rows``; its transpose is ``combine`` (a custom VJP: module doc)."""
+    return _dispatch(num_devices, axis_name, fill, rows, routes)
+
+
+def combine(processed: jax.Array, routes: RaggedRoutes, num_slots: int,
+            axis_name) -> jax.Array:
+    """``[S, ...]``: each slot's processed row back at its place; 0 for slots not sent.
+    Linear in ``processed``; its transpose is ``dispatch`` with fill 0 (a custom VJP)."""
+    return _combine(num_slots, axis_name, processed, routes)
+
+
+# The two directions are each other's transposes, which these custom VJPs state directly: jax's
+# own transpose rule of ragged_all_to_all gave wrong gradients on 2 H200s (module doc). Rows of
+# the received buffer that no source filled are constants, so they get no cotangent.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _dispatch(num_devices, axis_name, fill, rows, routes):
     sorted_rows = rows[routes.order]
     output = _fresh_buffer((num_devices * rows.shape[0], *rows.shape[1:]), rows.dtype, fill,
                            routes.recv_sizes)
@@ -114,14 +142,37 @@ def dispatch(rows: jax.Array, routes: RaggedRoutes, num_devices: int, axis_name,
                              routes.landing_offsets, routes.recv_sizes, axis_name=axis_name)
 
 
-def combine(processed: jax.Array, routes: RaggedRoutes, num_slots: int,
-            axis_name) -> jax.Array:
-    """``[S, ...]``: each slot's processed row back at its place; 0 for slots not sent."""
+def _dispatch_fwd(num_devices, axis_name, fill, rows, routes):
+    return _dispatch(num_devices, axis_name, fill, rows, routes), routes
+
+
+def _dispatch_bwd(num_devices, axis_name, fill, routes, d_received):
+    num_slots = d_received.shape[0] // num_devices
+    return _combine(num_slots, axis_name, d_received, routes), None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _combine(num_slots, axis_name, processed, routes):
     output = _fresh_buffer((num_slots, *processed.shape[1:]), processed.dtype, 0,
                            routes.send_sizes)
     sorted_out = RAGGED_ALL_TO_ALL(processed, output, routes.recv_offsets, routes.recv_sizes,
                                    routes.home_offsets, routes.send_sizes, axis_name=axis_name)
     return jnp.zeros_like(sorted_out).at[routes.order].set(sorted_out)
+
+
+def _combine_fwd(num_slots, axis_name, processed, routes):
+    return _combine(num_slots, axis_name, processed, routes), routes
+
+
+def _combine_bwd(num_slots, axis_name, routes, d_slots):
+    num_devices = routes.send_sizes.shape[0]
+    return _dispatch(num_devices, axis_name, 0, d_slots, routes), None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 def _fresh_buffer(shape, dtype, fill, tie):

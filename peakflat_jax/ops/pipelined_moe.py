@@ -345,6 +345,19 @@ def _send_tokens(layer: _Layer, x_chunk, destination, routes):
     return _send(layer, jnp.repeat(x_chunk, layer.top_k, axis=0), destination, routes)
 
 
+def _tokens_cotangent(layer: _Layer, d_received, x_chunk, destination, routes):
+    """The transpose of ``_send_tokens``, applied to ``d_received [D * S, H]``: ``[c, H]``."""
+    if layer.exchange == "ragged":
+        # ``dispatch`` is a custom VJP, which linear_transpose cannot transpose; its transpose
+        # is ``combine``, then each token sums its k slots.
+        d_slots = expert_exchange.combine(d_received, routes, destination.size, layer.axis_name)
+        d_slots = d_slots.reshape(*destination.shape, -1).astype(jnp.float32)
+        return jnp.sum(d_slots, axis=1).astype(x_chunk.dtype)
+    (d_x,) = jax.linear_transpose(lambda x: _send_tokens(layer, x, destination, routes),
+                                  x_chunk)(d_received)
+    return d_x
+
+
 def _dispatch(layer: _Layer, chunks, i):
     """Chunk i's dispatch: (received rows [D * S, H], their groups [D * S], routes).
     ``chunks``: the chunked (x, gates, destination, group)."""
@@ -419,8 +432,7 @@ def _run_chunks_bwd(layer, residuals, d_outputs):
 
         _, vjp = jax.vjp(process, weights, received, gate_chunks[i])
         d_w, d_received, d_gates = vjp(d_outputs[i])
-        (d_x,) = jax.linear_transpose(
-            lambda x: _send_tokens(layer, x, destination, routes), x_chunks[i])(d_received)
+        d_x = _tokens_cotangent(layer, d_received, x_chunks[i], destination, routes)
         d_weights = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), d_weights, d_w)
         return d_weights, d_x, d_gates
 
