@@ -2,10 +2,11 @@
 # The pending GPU checks and benchmarks, grouped by the machine each needs and sized to one
 # device call (at most 10 minutes). Run from the repository root on the GPU machine:
 #
-#   bash scripts/gpu_checks.sh h200-kernels-sco   # nvidia-h200: Mosaic probe, then SCO
-#   bash scripts/gpu_checks.sh h200-adamw         # nvidia-h200: OffloadStreamAdamW
-#   bash scripts/gpu_checks.sh x2-moe [TEXT...]   # nvidia-h200-x2: ragged probe, MoE bench
-#                                                 #   (cases whose JSON holds any TEXT)
+#   bash scripts/gpu_checks.sh h200-sco        # nvidia-h200: SCO with all 24 boundaries offloaded
+#   bash scripts/gpu_checks.sh h200-adamw      # nvidia-h200: OffloadStreamAdamW baselines, and
+#                                              #   the buckets and slots not yet measured
+#   bash scripts/gpu_checks.sh x2-moe [TEXT...]  # nvidia-h200-x2: ragged-exchange probe, then
+#                                              #   the MoE cases whose JSON holds any TEXT
 #
 # Records go to $OUT when set (the device tool's output folder), else scripts/results.
 set -uo pipefail
@@ -15,19 +16,21 @@ export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/n
 out="${OUT:-scripts/results}"
 
 case "${1:-}" in
-  h200-kernels-sco)
-    timeout 200 python3 scripts/probe_grouped_matmul.py --out-dir "$out"
-    timeout 360 python3 scripts/bench_sco.py --preset gpu --repeats 2 --only scan \
-      --only '"offload": 12' --only '"offload": 24' --out-dir "$out" ;;
+  h200-sco)
+    # The scan again as the same-run baseline, then all boundaries offloaded (~3 min a case).
+    timeout 560 python3 scripts/bench_sco.py --preset gpu --repeats 2 --only '"offload": 24' \
+      --only scan --out-dir "$out" ;;
   h200-adamw)
-    timeout 560 python3 scripts/bench_offload_adamw.py --preset gpu --out-dir "$out" ;;
+    timeout 560 python3 scripts/bench_offload_adamw.py --preset gpu --only '"method": "link"' \
+      --only whole_state --only host_cpu --only '"bucket_params": 500000000' \
+      --only '"slots": 3' --out-dir "$out" ;;
   x2-moe)
     shift
-    timeout 150 python3 scripts/probe_ragged_exchange.py --out-dir "$out"
+    timeout 120 python3 scripts/probe_ragged_exchange.py --out-dir "$out"
     only=()
-    for text in "${@:-\"tokens\": 65536, \"profile\": [0.0, 0]}"; do only+=(--only "$text"); done
-    timeout 400 python3 scripts/bench_moe_dispatch.py --preset gpu "${only[@]}" --out-dir "$out" ;;
+    for text in "${@:-\"tokens\": 32768, \"profile\": [0.0, 0]}"; do only+=(--only "$text"); done
+    timeout 420 python3 scripts/bench_moe_dispatch.py --preset gpu "${only[@]}" --out-dir "$out" ;;
   *)
-    echo "usage: bash scripts/gpu_checks.sh h200-kernels-sco | h200-adamw | x2-moe [TEXT...]" >&2
+    echo "usage: bash scripts/gpu_checks.sh h200-sco | h200-adamw | x2-moe [TEXT...]" >&2
     exit 2 ;;
 esac

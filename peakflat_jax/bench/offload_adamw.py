@@ -37,7 +37,8 @@ def presets() -> dict[str, list[dict]]:
                 for b in buckets for s in slots]
         return out
 
-    return {"gpu": cases(2_000_000_000, 100_000_000, (100_000_000, 250_000_000), (1, 2), 5),
+    return {"gpu": cases(2_000_000_000, 100_000_000, (100_000_000, 250_000_000, 500_000_000),
+                         (1, 2, 3), 5),
             "cpu": cases(2_000_000, 300_000, (500_000,), (1, 2), 3)}
 
 

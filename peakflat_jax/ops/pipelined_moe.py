@@ -45,6 +45,12 @@ instead of 4 * M. The portable grouped matmul
 which a grouped-matmul kernel does not have. No token-slot is dropped: an expert id outside
 [0, E) makes its token's output NaN.
 
+Measured on 2 H200s (scripts/results/moe_dispatch_gpu_20261130-072710.json; N = 32,768, E =
+128, k = 8, H = 7168, F = 2048, bf16, c = 6554, G = 128, Mosaic grouped matmul): the bound gives
+59.5 GB, XLA planned 54.5 GB of temporaries and 6.1 GB of arguments, and the allocator peaked at
+62.1 GiB. The weight terms (45 GB at G = 128) dominate there; what grows with N is bounded: at
+N = 65,536 the peak was 64.0 GiB, while one chunk (LLEP) failed to allocate 130 GiB.
+
 Legend: N tokens on this rank, H hidden, F expert FFN width, k top-k, E experts, D devices,
 E_l = E / D, K chunks, c tokens per chunk, S = c * k slots per chunk per source.
 """

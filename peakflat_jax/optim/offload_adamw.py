@@ -19,16 +19,14 @@ at most ``slots`` buckets should be staged on the device:
 Why it is fast: every copy is a whole array placed by XLA inside one program, so the copies run
 at link speed and overlap the updates; the buckets are separate host arrays because slicing
 one host array in a loop falls to 5 GB/s. Measured on one H200 with 2e9 parameters
-(scripts/results/offload_adamw_gpu_20261130-045155.json): 0.780 s per step at 2.5e8 x 2
-slots (48 GB moved, 61.5 GB/s), against 0.872 s for moving the whole state and 2.53 s for
-optax.adamw on 16 host cores. The staging, measured as the allocator's peak less the params,
-grads and new params, was 2.2 and 3.4 GiB at 1e8 x 1 and x 2 slots (formula: 1.5 and 3.0), but
-10.2 and 12.1 GiB at 2.5e8 (formula: 3.7 and 7.5); that peak also includes ``init``. Since
-that run each bucket's working pieces are cast inside its update and tied into the slot chain,
-so that no fp32 master outlives its write-back (buckets of 2.5e8 split the 1e8-parameter leaves,
-whose fp32 pieces could otherwise wait for the last bucket); the new staging is not yet
-measured. On CPU the memory kinds exist but the copies lower to nothing: tests check the
-numbers, not the transfers.
+(scripts/results/offload_adamw_gpu_20261130-070502.json): 0.780 s per step at 2.5e8 x 2 slots
+(48 GB moved, 61.6 GB/s), against 0.876 s for moving the whole state and 2.38 s for
+optax.adamw on 16 host cores. The step's XLA temporaries, the staging, were 4.3 and 8.0 GB at
+2.5e8 x 1 and x 2 slots (formula: 4.0 and 8.0) and 2.4 and 3.6 GB at 1e8 (formula: 1.6 and
+3.2): each bucket's working pieces are cast inside its update and tied into the slot chain, so
+no fp32 master outlives its write-back (before that, 2.5e8 x 2 held 12.1 GiB). On CPU the
+memory kinds exist but the copies lower to nothing: tests check the numbers, not the
+transfers.
 
 FSDP. Params (and grads, placed alike) may be NamedShardings on one mesh. The buckets are then
 cut from each device's own shards, and each bucket of the state is one global array of
