@@ -3,6 +3,7 @@
 # device call (at most 10 minutes). Run from the repository root on the GPU machine:
 #
 #   bash scripts/gpu_checks.sh h200-sco        # nvidia-h200: SCO with all 24 boundaries offloaded
+#   bash scripts/gpu_checks.sh h200-kernels    # nvidia-h200: the Mosaic probe (forward blocks)
 #   bash scripts/gpu_checks.sh h200-adamw      # nvidia-h200: OffloadStreamAdamW baselines, and
 #                                              #   the buckets and slots not yet measured
 #   bash scripts/gpu_checks.sh x2-moe [TEXT...]  # nvidia-h200-x2: ragged-exchange probe, then
@@ -20,6 +21,8 @@ case "${1:-}" in
     # The scan again as the same-run baseline, then all boundaries offloaded (~3 min a case).
     timeout 560 python3 scripts/bench_sco.py --preset gpu --repeats 2 --only '"offload": 24' \
       --only scan --out-dir "$out" ;;
+  h200-kernels)
+    timeout 300 python3 scripts/probe_grouped_matmul.py --out-dir "$out" ;;
   h200-adamw)
     timeout 560 python3 scripts/bench_offload_adamw.py --preset gpu --only '"method": "link"' \
       --only whole_state --only host_cpu --only '"bucket_params": 500000000' \
@@ -31,6 +34,7 @@ case "${1:-}" in
     for text in "${@:-\"tokens\": 32768, \"profile\": [0.0, 0]}"; do only+=(--only "$text"); done
     timeout 420 python3 scripts/bench_moe_dispatch.py --preset gpu "${only[@]}" --out-dir "$out" ;;
   *)
-    echo "usage: bash scripts/gpu_checks.sh h200-sco | h200-adamw | x2-moe [TEXT...]" >&2
+    echo "usage: bash scripts/gpu_checks.sh h200-sco | h200-kernels | h200-adamw |" \
+      "x2-moe [TEXT...]" >&2
     exit 2 ;;
 esac
