@@ -9,9 +9,9 @@ token_budget, strided or contiguous chunks). All compute the same function.
 
 The gpu preset (65,536 tokens per rank, H = 7168, E = 128, top-8, F = 2048) needs the Mosaic GPU
 grouped matmul: XLA's ragged_dot runs at 45 TFLOP/s there and materializes [M, M] temporaries
-(JAX-NOTES.md), so with the portable path it is neither fast nor small. Its cases turn on the
-GPU paths that are off by default until checked on hardware (``grouped_matmul="mosaic"``,
-``exchange="ragged"``): run ``scripts/probe_grouped_matmul.py`` first. Not run yet.
+(JAX-NOTES.md), so with the portable path it is neither fast nor small. Its cases name the
+Mosaic grouped matmul and the padded exchange (the ragged one stays off: expert_exchange).
+Measured on 2 H200s: scripts/results/moe_dispatch_gpu_20261130-*.json and the README.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def run_case(case: dict) -> dict:
     if len(devices) < case["devices"]:
         return {"error": f"needs {case['devices']} devices, found {len(devices)}"}
     mesh = Mesh(np.array(devices), ("expert",))
-    # This process's choice of the GPU paths that stay off by default until checked there.
+    # Each case names its grouped matmul and exchange; this process (one case) follows them.
     grouped_matmul.AUTO_SELECTS_MOSAIC = case.get("grouped_matmul") == "mosaic"
     expert_exchange.RAGGED_ON_GPU = case.get("exchange") == "ragged"
     keywords = dict(METHODS[case["method"]], llep_min_tokens=case["llep_min_tokens"])
