@@ -1,0 +1,82 @@
+"""XLA's memory plan for one PipelinedLLEP layer's forward + backward at the GPU benchmark's shape,
+compiled (not run) on 2 simulated CPU devices, with the Mosaic path wired to opaque stand-in
+kernels (host callbacks of the kernels' output shapes). It answers "how much does this setting
+save?" without a GPU; XLA:CPU plans differ from XLA:GPU's (no async collectives), so compare
+settings with each other, not with GPU peaks.
+
+    PYTHONPATH=. python3 scripts/plan_moe_memory.py --tokens 32768 --token-budget 6554 \
+        [--max-foreign-experts 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=2")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from peakflat_jax.ops import grouped_matmul as gm  # noqa: E402
+from peakflat_jax.ops.pipelined_moe import pipelined_moe  # noqa: E402
+
+EXPERTS, TOP_K, HIDDEN, FFN = 128, 8, 7168, 2048
+
+
+def opaque_kernels() -> gm.GroupedMatmulKernels:
+    """Kernels XLA cannot see into: their results' shapes, from a host callback."""
+
+    def opaque(result_shape):
+        def call(a, b, group_sizes):
+            shape = result_shape(a, b, group_sizes)
+            return jax.pure_callback(lambda *_: np.zeros(shape, a.dtype),
+                                     jax.ShapeDtypeStruct(shape, a.dtype), a, b, group_sizes)
+        return call
+
+    return gm.GroupedMatmulKernels(
+        forward=opaque(lambda lhs, rhs, s: (lhs.shape[0], rhs.shape[2])),
+        input_grad=opaque(lambda dy, rhs, s: (dy.shape[0], rhs.shape[1])),
+        weight_grad=opaque(lambda lhs, dy, s: (s.shape[0], lhs.shape[1], dy.shape[1])))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=32768, help="tokens per rank")
+    parser.add_argument("--token-budget", type=int, default=None, help="default: one chunk")
+    parser.add_argument("--max-foreign-experts", type=int, default=None)
+    args = parser.parse_args()
+    gm.hopper_gpu_reason = lambda: None  # plan the Mosaic path, whose kernels are opaque here
+    gm.mosaic_kernels = lambda configs: opaque_kernels()
+    mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
+    sharded = NamedSharding(mesh, P("expert"))
+    rows = 2 * args.tokens
+
+    def spec(dtype, *shape):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharded)
+
+    layer = jax.shard_map(
+        lambda x, ids, g, wg, wu, wd: pipelined_moe(
+            x, ids, g, wg, wu, wd, axis_name="expert", num_experts=EXPERTS,
+            token_budget=args.token_budget, max_foreign_experts=args.max_foreign_experts),
+        mesh=mesh, in_specs=(P("expert"),) * 6, out_specs=P("expert"))
+    grads = jax.grad(lambda x, ids, g, wg, wu, wd: jnp.sum(
+        layer(x, ids, g, wg, wu, wd).astype(jnp.float32)), argnums=(0, 2, 3, 4, 5))
+    bf16 = jnp.bfloat16
+    compiled = jax.jit(grads).lower(
+        spec(bf16, rows, HIDDEN), spec(jnp.int32, rows, TOP_K), spec(bf16, rows, TOP_K),
+        spec(bf16, EXPERTS, HIDDEN, FFN), spec(bf16, EXPERTS, HIDDEN, FFN),
+        spec(bf16, EXPERTS, FFN, HIDDEN)).compile()
+    plan = compiled.memory_analysis()
+    print(f"tokens/rank {args.tokens}, token_budget {args.token_budget}, max_foreign_experts "
+          f"{args.max_foreign_experts}: temp {plan.temp_size_in_bytes / 1e9:.2f} GB, arguments "
+          f"{plan.argument_size_in_bytes / 1e9:.2f} GB, outputs "
+          f"{plan.output_size_in_bytes / 1e9:.2f} GB (XLA:CPU plan, per device)")
+
+
+if __name__ == "__main__":
+    main()
