@@ -337,7 +337,7 @@ def _chunk_routes(layer: _Layer, destination):
 
 def _send(layer: _Layer, rows, destination, routes, fill=0):
     """The slots' ``rows [S, ...]`` on the devices that process them: ``[D * S, ...]``. Linear in
-    ``rows``, so backward transposes it without running it."""
+    ``rows``; its transpose is ``_return``."""
     destination = destination.reshape(-1)
     devices, axis = layer.num_devices, layer.axis_name
     if layer.exchange == "ragged":
@@ -346,22 +346,30 @@ def _send(layer: _Layer, rows, destination, routes, fill=0):
     return expert_exchange.exchange(sent, axis).reshape(-1, *rows.shape[1:])
 
 
+def _return(layer: _Layer, processed, destination, routes):
+    """Rows ``processed [D * S, ...]`` back at their slots: ``[S, ...]``, 0 for slots not sent.
+    The transpose of ``_send`` (the rows it filled get nothing), so backward sends cotangents
+    home with it instead of transposing ``_send``."""
+    destination = destination.reshape(-1)
+    num_slots = destination.shape[0]
+    if layer.exchange == "ragged":
+        return expert_exchange.combine(processed, routes, num_slots, layer.axis_name)
+    returned = expert_exchange.exchange(
+        processed.reshape(layer.num_devices, num_slots, *processed.shape[1:]), layer.axis_name)
+    return expert_exchange.unpack(returned, destination, routes)
+
+
 def _send_tokens(layer: _Layer, x_chunk, destination, routes):
     """Each token's row, once per slot (slot (n, j) at row n*k + j), sent: [D * S, H]."""
     return _send(layer, jnp.repeat(x_chunk, layer.top_k, axis=0), destination, routes)
 
 
-def _tokens_cotangent(layer: _Layer, d_received, x_chunk, destination, routes):
-    """The transpose of ``_send_tokens``, applied to ``d_received [D * S, H]``: ``[c, H]``."""
-    if layer.exchange == "ragged":
-        # ``dispatch`` is a custom VJP, which linear_transpose cannot transpose; its transpose
-        # is ``combine``, then each token sums its k slots.
-        d_slots = expert_exchange.combine(d_received, routes, destination.size, layer.axis_name)
-        d_slots = d_slots.reshape(*destination.shape, -1).astype(jnp.float32)
-        return jnp.sum(d_slots, axis=1).astype(x_chunk.dtype)
-    (d_x,) = jax.linear_transpose(lambda x: _send_tokens(layer, x, destination, routes),
-                                  x_chunk)(d_received)
-    return d_x
+def _tokens_cotangent(layer: _Layer, d_received, destination, routes, dtype):
+    """The transpose of ``_send_tokens``, applied to ``d_received [D * S, H]``: ``[c, H]``, each
+    token's k slots summed in fp32."""
+    d_slots = _return(layer, d_received, destination, routes)
+    d_slots = d_slots.reshape(*destination.shape, d_received.shape[1])
+    return jnp.sum(d_slots, axis=1, dtype=jnp.float32).astype(dtype)
 
 
 def _dispatch(layer: _Layer, chunks, i):
@@ -379,15 +387,9 @@ def _dispatch(layer: _Layer, chunks, i):
 def _process(layer: _Layer, weights, received, received_group, destination, routes,
              gates_chunk):
     """A dispatched chunk's grouped SwiGLU, combine back home, and gate-weighted sum: [c, H]."""
-    hidden, devices, axis = received.shape[1], layer.num_devices, layer.axis_name
     processed = _expert_ffn(received, received_group, weights, layer.num_groups)
-    num_slots = destination.size
-    if layer.exchange == "ragged":
-        slot_out = expert_exchange.combine(processed, routes, num_slots, axis)
-    else:
-        returned = expert_exchange.exchange(processed.reshape(devices, num_slots, hidden), axis)
-        slot_out = expert_exchange.unpack(returned, destination.reshape(-1), routes)
-    slot_out = slot_out.reshape(-1, layer.top_k, hidden).astype(jnp.float32)
+    slot_out = _return(layer, processed, destination, routes)
+    slot_out = slot_out.reshape(-1, layer.top_k, received.shape[1]).astype(jnp.float32)
     combined = jnp.einsum("ck,ckh->ch", gates_chunk.astype(jnp.float32), slot_out)
     return combined.astype(received.dtype)
 
@@ -438,7 +440,7 @@ def _run_chunks_bwd(layer, residuals, d_outputs):
 
         _, vjp = jax.vjp(process, weights, received, gate_chunks[i])
         d_w, d_received, d_gates = vjp(d_outputs[i])
-        d_x = _tokens_cotangent(layer, d_received, x_chunks[i], destination, routes)
+        d_x = _tokens_cotangent(layer, d_received, destination, routes, x_chunks.dtype)
         d_weights = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), d_weights, d_w)
         return d_weights, d_x, d_gates
 
