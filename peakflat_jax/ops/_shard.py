@@ -11,6 +11,18 @@ def varying_axes(a: jax.Array) -> frozenset:
     return getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", frozenset())
 
 
+def varying_like(value: jax.Array, *like: jax.Array) -> jax.Array:
+    """``value`` cast to vary over every mesh axis that any of ``like`` varies over (the type
+    changes, not the values).
+
+    A ``pallas_call`` inside ``shard_map`` (the Mosaic kernels) returns values typed invariant
+    over the manual axes, whatever its operands; a custom VJP whose backward returned such a
+    value for a varying input fails to trace.
+    """
+    missing = frozenset().union(*map(varying_axes, like)) - varying_axes(value)
+    return lax.pcast(value, tuple(sorted(missing)), to="varying") if missing else value
+
+
 def vary_alike(*arrays):
     """Makes all operands vary over the same mesh axes (the union of theirs).
 
@@ -18,9 +30,4 @@ def vary_alike(*arrays):
     of, say, a kernel replicated over a data axis must not vary over that axis: casting first
     lets autodiff insert the psum it needs.
     """
-    union = frozenset().union(*map(varying_axes, arrays))
-    return tuple(
-        lax.pcast(a, tuple(sorted(union - varying_axes(a))), to="varying")
-        if union - varying_axes(a) else a
-        for a in arrays
-    )
+    return tuple(varying_like(a, *arrays) for a in arrays)

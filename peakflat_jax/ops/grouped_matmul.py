@@ -81,6 +81,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from peakflat_jax.ops._shard import varying_like
+
 IMPLEMENTATIONS = ("xla", "mosaic")
 # On since scripts/probe_grouped_matmul.py passed on an H200 (module doc, Status); a switch so
 # that tests can take the automatic choice either way.
@@ -287,20 +289,6 @@ def mosaic_kernels(configs: MosaicConfigs) -> GroupedMatmulKernels:
             lhs, dy, group_sizes=group_sizes, **configs.weight_grad.kwargs())
 
     return GroupedMatmulKernels(forward=forward, input_grad=input_grad, weight_grad=weight_grad)
-
-
-def varying_like(value: jax.Array, *like: jax.Array) -> jax.Array:
-    """``value`` marked as varying over every mesh axis that any of ``like`` varies over.
-
-    Inside a ``shard_map`` a ``pallas_call`` (the Mosaic kernels) returns values typed as
-    invariant over the manual axes, whatever its operands; a custom VJP whose backward returned
-    such a value for a varying input fails to trace. The cast only changes the type.
-    """
-    def varying(x):  # jax 0.11 keeps the axes in the aval's manual_axis_type (shown as {V:..})
-        return set(jax.typeof(x).manual_axis_type.varying)
-
-    axes = set().union(*map(varying, like)) - varying(value)
-    return lax.pcast(value, tuple(sorted(axes)), to="varying") if axes else value
 
 
 @functools.lru_cache(maxsize=None)
