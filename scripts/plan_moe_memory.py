@@ -5,13 +5,19 @@ save?" without a GPU; XLA:CPU plans differ from XLA:GPU's (no async collectives)
 settings with each other, not with GPU peaks.
 
     PYTHONPATH=. python3 scripts/plan_moe_memory.py --tokens 32768 --token-budget 6554 \
-        [--max-foreign-experts 16]
+        [--max-foreign-experts 16] [--out-dir DIR]
+
+Each run writes ``<out-dir>/moe_plan_cpu_<date>.json`` (default scripts/results).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
+import pathlib
+import sys
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=2")
@@ -22,6 +28,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from peakflat_jax import memory  # noqa: E402
+from peakflat_jax.bench import harness  # noqa: E402
 from peakflat_jax.ops import grouped_matmul as gm  # noqa: E402
 from peakflat_jax.ops.pipelined_moe import pipelined_moe  # noqa: E402
 
@@ -49,6 +57,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32768, help="tokens per rank")
     parser.add_argument("--token-budget", type=int, default=None, help="default: one chunk")
     parser.add_argument("--max-foreign-experts", type=int, default=None)
+    parser.add_argument("--out-dir", type=pathlib.Path, default=harness.RESULTS_DIR)
     args = parser.parse_args()
     gm.hopper_gpu_reason = lambda: None  # plan the Mosaic path, whose kernels are opaque here
     gm.mosaic_kernels = lambda configs: opaque_kernels()
@@ -71,12 +80,24 @@ def main() -> None:
         spec(bf16, rows, HIDDEN), spec(jnp.int32, rows, TOP_K), spec(bf16, rows, TOP_K),
         spec(bf16, EXPERTS, HIDDEN, FFN), spec(bf16, EXPERTS, HIDDEN, FFN),
         spec(bf16, EXPERTS, FFN, HIDDEN)).compile()
-    plan = compiled.memory_analysis()
+    plan = memory.compiled_memory(compiled)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    record = {"benchmark": "moe_plan", "command": " ".join([sys.executable, *sys.argv]),
+              "device": "2 simulated CPU devices (XLA:CPU plan, compiled, not run)",
+              "date": now.isoformat(timespec="seconds"), "jax": jax.__version__,
+              "commit": harness.git_commit(),
+              "case": dict(tokens=args.tokens, token_budget=args.token_budget,
+                           max_foreign_experts=args.max_foreign_experts, experts=EXPERTS,
+                           top_k=TOP_K, hidden=HIDDEN, ffn=FFN, dtype="bfloat16", devices=2),
+              "xla_temp_bytes": plan.temp, "xla_argument_bytes": plan.argument,
+              "xla_output_bytes": plan.output}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / f"moe_plan_cpu_{now:%Y%m%d-%H%M%S}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"tokens/rank {args.tokens}, token_budget {args.token_budget}, max_foreign_experts "
-          f"{args.max_foreign_experts}: temp {plan.temp_size_in_bytes / 1e9:.2f} GB, arguments "
-          f"{plan.argument_size_in_bytes / 1e9:.2f} GB, outputs "
-          f"{plan.output_size_in_bytes / 1e9:.2f} GB (XLA:CPU plan, per device)")
-
+          f"{args.max_foreign_experts}: temp {plan.temp / 1e9:.2f} GB, arguments "
+          f"{plan.argument / 1e9:.2f} GB, outputs {plan.output / 1e9:.2f} GB (XLA:CPU plan, "
+          f"per device); record: {path}")
 
 if __name__ == "__main__":
     main()
