@@ -2,7 +2,7 @@
 # The pending GPU checks and benchmarks, grouped by the machine each needs and sized to one
 # device call (at most 10 minutes). Run from the repository root on the GPU machine:
 #
-#   bash scripts/gpu_checks.sh h200-sco        # nvidia-h200: SCO with all 24 boundaries offloaded
+#   bash scripts/gpu_checks.sh h200-sco        # nvidia-h200: SCO, half and all boundaries offloaded
 #   bash scripts/gpu_checks.sh h200-kernels    # nvidia-h200: the Mosaic probe (forward blocks)
 #   bash scripts/gpu_checks.sh h200-adamw      # nvidia-h200: OffloadStreamAdamW baselines, and
 #                                              #   the buckets and slots not yet measured
@@ -18,8 +18,9 @@ out="${OUT:-scripts/results}"
 
 case "${1:-}" in
   h200-sco)
-    # The scan again as the same-run baseline, then all boundaries offloaded (~3 min a case).
+    # The scan as the same-run baseline, then half and all boundaries offloaded (~2 min a case).
     timeout 560 python3 scripts/bench_sco.py --preset gpu --repeats 2 --only '"offload": 24' \
+      --only '"offload": 12' \
       --only scan --out-dir "$out" ;;
   h200-kernels)
     timeout 300 python3 scripts/probe_grouped_matmul.py --out-dir "$out" ;;

@@ -132,8 +132,12 @@ def test_transfers_and_layers_are_tied_in_order(rng):
     forward_ties = [used for kinds, used in found if kinds == ["host", "value"]]
     assert len(forward_ties) == LAYERS and all(all(used) for used in forward_ties)
     num_param_leaves = len(jax.tree.leaves(params))
-    whole_layer_ties = [used for kinds, used in found if len(kinds) == 2 + num_param_leaves]
-    assert len(whole_layer_ties) == LAYERS - 1 and all(all(u) for u in whole_layer_ties)
+    # Forward: each layer slices its parameters behind its input.
+    slice_ties = [used for kinds, used in found if len(kinds) == 1 + num_param_leaves]
+    assert len(slice_ties) == LAYERS and all(all(used) for used in slice_ties)
+    # Backward: restored input, cotangent, the gradients so far and the parameters.
+    whole_layer_ties = [used for kinds, used in found if len(kinds) == 2 + 2 * num_param_leaves]
+    assert len(whole_layer_ties) == LAYERS and all(all(u) for u in whole_layer_ties)
     assert len(restores) == LAYERS and all(restores)
 
 
@@ -240,3 +244,26 @@ def test_a_layer_with_pipelined_moe_keeps_its_chunk_bound(rng):
         assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b)
     compiled = grad.lower(h, *weights).compile()
     memory.assert_no_array_at_least(compiled, tokens * top_k * hidden, what="dispatch buffer")
+
+
+def mlp_layer(h, p):
+    return h + jnp.tanh(h @ p["up"]) @ p["down"]
+
+
+def gradient_temp_bytes(num_layers, tokens, hidden):
+    h = jax.ShapeDtypeStruct((tokens, hidden), jnp.float32)
+    params = {"up": jax.ShapeDtypeStruct((num_layers, hidden, 4 * hidden), jnp.float32),
+              "down": jax.ShapeDtypeStruct((num_layers, 4 * hidden, hidden), jnp.float32)}
+    grad = jax.grad(lambda h, p: pf.sco_scan(mlp_layer, h, p, offload=0).sum(), argnums=(0, 1))
+    return jax.jit(grad).lower(h, params).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_gradient_temporaries_grow_by_one_boundary_per_layer():
+    """Bound: (L - n_offloaded + 2) boundaries + one layer's activations, so with nothing
+    offloaded (and on CPU nothing is) each added layer may add one boundary, never a layer's
+    parameters or their gradients (which XLA kept alive for all layers until the slices and the
+    gradient writes were tied to the layer order). Parameters here are 64x a boundary."""
+    tokens, hidden = 32, 128
+    boundary = tokens * hidden * 4
+    growth = gradient_temp_bytes(8, tokens, hidden) - gradient_temp_bytes(4, tokens, hidden)
+    assert growth <= 4 * boundary

@@ -148,7 +148,12 @@ def _sco_scan(layer_fn, chosen, h, stacked_params):
 def _sco_scan_fwd(layer_fn, chosen, h, stacked_params):
     boundaries = []
     for layer, to_host in enumerate(chosen):
-        h_next = layer_fn(h, _layer_params(stacked_params, layer))
+        # Layer l slices its parameters once its input exists. Otherwise the slices, which
+        # depend on nothing but the parameters, are free to run early, and XLA kept every
+        # layer's slice alive from forward to backward (XLA:CPU: one layer's parameters of
+        # temporaries per layer).
+        h, params = lax.optimization_barrier((h, stacked_params))
+        h_next = layer_fn(h, _layer_params(params, layer))
         if to_host:
             # The copy runs while this layer computes and must be done before the next layer
             # starts. Untied, XLA's scheduler sank every device-to-host copy into the backward
@@ -171,24 +176,32 @@ def _sco_scan_bwd(layer_fn, chosen, residuals, d_h):
         boundary, _ = lax.optimization_barrier((boundaries[layer], after))
         return jax.device_put(boundary, jax.memory.Space.Device) if chosen[layer] else boundary
 
-    d_params = []
+    # Each layer's parameter gradients are written in place into the stacked result, and the
+    # layer slices its parameters only after the barrier below. Stacking per-layer gradients
+    # at the end, or slicing before the barrier, let XLA keep all L layers' copies alive:
+    # one layer's parameters of temporaries per layer (XLA:CPU, each fix alone not enough).
+    # Integer leaves (token ids, say) have float0 cotangents: nothing to write.
+    leaves, treedef = jax.tree.flatten(stacked_params)
+    inexact = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    d_stacked = [jnp.zeros_like(leaves[i]) for i in inexact]
     incoming = restore(num_layers - 1, d_h)
     for layer in reversed(range(num_layers)):
         # Layer l's recompute waits for all of layer l + 1's backward: its input cotangent and
         # its parameter gradients. Untied, XLA deferred each layer's weight-gradient matmuls to
         # the end and kept their inputs, several layers' activations, alive (H200: the plan
         # grew by gigabytes per layer).
-        h_in, d_h, d_previous = lax.optimization_barrier(
-            (incoming, d_h, d_params[-1] if d_params else ()))
-        if d_params:
-            d_params[-1] = d_previous
+        h_in, d_h, d_stacked, params = lax.optimization_barrier(
+            (incoming, d_h, d_stacked, stacked_params))
         if layer > 0:
             incoming = restore(layer - 1, d_h)  # overlaps this layer's recompute and backward
-        _, vjp = jax.vjp(layer_fn, h_in, _layer_params(stacked_params, layer))
+        _, vjp = jax.vjp(layer_fn, h_in, _layer_params(params, layer))
         d_h, d_layer = vjp(d_h)
-        d_params.append(d_layer)
-    d_stacked = jax.tree.map(lambda *per_layer: jnp.stack(per_layer[::-1]), *d_params)
-    return d_h, d_stacked
+        d_layer = treedef.flatten_up_to(d_layer)
+        d_stacked = [stack.at[layer].set(d_layer[i]) for stack, i in zip(d_stacked, inexact)]
+    d_leaves = [np.zeros(leaf.shape, jax.dtypes.float0) for leaf in leaves]
+    for i, stack in zip(inexact, d_stacked):
+        d_leaves[i] = stack
+    return d_h, treedef.unflatten(d_leaves)
 
 
 _sco_scan.defvjp(_sco_scan_fwd, _sco_scan_bwd)
