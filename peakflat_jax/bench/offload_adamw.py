@@ -12,6 +12,8 @@ Methods:
 - ``stream``: pf.offload_stream_adamw over (bucket_params, slots).
 - ``link``: the floor: 12 bytes/param each way, timed as one in-jit host -> device and one
   device -> host copy of that many bytes.
+- ``duplex``: the same bytes each way as independent copies in one jitted program, to see
+  whether XLA runs the two directions at once (the floor would halve) or one after the other.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from peakflat_jax.optim.offload_adamw import offload_stream_adamw
 def presets() -> dict[str, list[dict]]:
     def cases(num_params, leaf_params, buckets, slots, repeats):
         common = dict(num_params=num_params, leaf_params=leaf_params, repeats=repeats)
-        out = [dict(common, method="link"), dict(common, method="whole_state"),
+        out = [dict(common, method="link"), dict(common, method="duplex"),
+               dict(common, method="whole_state"),
                dict(common, method="host_cpu", repeats=3)]
         out += [dict(common, method="stream", bucket_params=b, slots=s)
                 for b in buckets for s in slots]
@@ -107,13 +110,23 @@ def run_case(case: dict) -> dict:
             return params, state, None
 
         args = [grads, state, None]
-    elif method == "link":
+    elif method in ("link", "duplex"):
         host = SingleDeviceSharding(device, memory_kind="pinned_host")
         num_bytes = 12 * case["num_params"]
         chunk = min(num_bytes // 4, 1 << 28)  # fp32 elements per array
         arrays = jax.jit(lambda: [jnp.ones((chunk,), jnp.float32)
                                   for _ in range(num_bytes // 4 // chunk)],
                          out_shardings=host)()
+        if method == "duplex":
+            resident = jax.jit(lambda a: jax.device_put(a, jax.memory.Space.Device))(arrays)
+            both_ways = jax.jit(lambda down, up: (jax.device_put(down, jax.memory.Space.Device),
+                                                  jax.device_put(up, jax.memory.Space.Host)),
+                                out_shardings=(None, host))
+            timing = harness.time_call(both_ways, arrays, resident, warmup=1,
+                                       repeats=case["repeats"])
+            return {"time_s": timing["median_s"], "time_min_s": timing["min_s"],
+                    "time_max_s": timing["max_s"], "repeats": timing["repeats"],
+                    "peak_bytes": harness.peak_bytes_over([device])}
         to_device = jax.jit(lambda a: jax.device_put(a, jax.memory.Space.Device))
         on_device = to_device(arrays)
         to_host = jax.jit(lambda a: jax.device_put(a, jax.memory.Space.Host),
