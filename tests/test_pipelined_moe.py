@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 import peakflat_jax as pf
 from peakflat_jax import memory, reference, skew
 from peakflat_jax.ops import expert_exchange
+from peakflat_jax.ops._shard import varying_like
 from peakflat_jax.ops.llep_plan import llep_assignment
 
 TOL = 1e-4  # fp32, complex: dispatch, grouped matmuls, combine; values and gradients
@@ -236,13 +237,22 @@ def test_bad_input_names_the_argument(change, argument):
 
 
 def never_differentiated(operand, output, *routing, axis_name):
-    """The emulated collective, failing if anything differentiates it: the ragged exchange must
-    take its own transposes (jax's rule for the real collective gave wrong gradients on GPUs)."""
+    """The emulated collective, typed like the real one and failing if anything differentiates
+    it: the ragged exchange must take its own transposes (jax's rule for the real collective
+    gave wrong gradients on GPUs).
+
+    ``lax.ragged_all_to_all``'s result has the type of its ``output`` operand, invariant over
+    the expert axis when that is a fresh constant buffer, whereas the emulation's ``where``
+    varies; a host callback drops the varying type (the real one's type broke the custom VJPs
+    on 2 H200s)."""
 
     @jax.custom_jvp
     def collective(operand, output):
-        return expert_exchange.emulated_ragged_all_to_all(operand, output, *routing,
-                                                          axis_name=axis_name)
+        result = expert_exchange.emulated_ragged_all_to_all(operand, output, *routing,
+                                                            axis_name=axis_name)
+        invariant = jax.pure_callback(
+            np.asarray, jax.ShapeDtypeStruct(result.shape, result.dtype), result)
+        return varying_like(invariant, output)
 
     @collective.defjvp
     def _differentiated(primals, tangents):

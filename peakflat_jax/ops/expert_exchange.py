@@ -21,13 +21,20 @@ everywhere. On 2 H200s (``scripts/probe_ragged_exchange.py``, records
 skew, its forward matched the padded form (loss to 2e-7) but the gradients of x and the expert
 weights did not (relative difference ~1, with and without XLA's
 ``--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer``): the backward went through
-jax's transpose rule of ``ragged_all_to_all``. The custom VJPs that now replace that rule are
-tested on CPU (where differentiating the collective fails the test) but have not yet run on a
-GPU. One chunk's round trip at the paper's shape (52,432 rows of 7168 bf16 per device) took
-491.7 ms against 11.0 ms padded, and 15.7 ms with the decomposer, whose plan then held 6.0 GB
-against the padded form's 3.0 GB. On CPU its routing is tested against the padded form with
-``emulated_ragged_all_to_all``, a stand-in with ``lax.ragged_all_to_all``'s semantics built
-from an all-gather (tests only: it gathers every source's rows).
+jax's transpose rule of ``ragged_all_to_all``. The custom VJPs that now replace that rule
+then failed to trace on the same GPUs (``ragged_exchange_probe_20261130-090305.json``): the
+collective's result has the type of its output buffer, invariant over the expert axis, so the
+backward's cotangents did not match their varying inputs. Both directions now type their result
+as varying (``_typed_as_exchanged``), and the CPU tests' emulated collective is typed like the
+real one, which reproduced the error. Not yet re-run on a GPU.
+
+Speed: one chunk's round trip at the paper's shape (52,432 rows of 7168 bf16 per device) took
+491.7 ms against 11.0 ms padded (491.5 against 11.1 in the later probe), and 15.7 ms with the
+decomposer, whose plan then held 6.0 GB against the padded form's 3.0 GB.
+
+On CPU its routing is tested against the padded form with ``emulated_ragged_all_to_all``, a
+stand-in with ``lax.ragged_all_to_all``'s semantics built from an all-gather (tests only: it
+gathers every source's rows).
 
 Legend: D devices of the expert-parallel axis, S token-slots of one chunk from one source.
 """
@@ -40,6 +47,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from peakflat_jax.ops._shard import varying_axes, varying_like
 
 KINDS = ("padded", "ragged")
 # Off: on 2 H200s the ragged form's gradients were wrong and its round trip slower (module doc).
@@ -138,8 +147,9 @@ def _dispatch(num_devices, axis_name, fill, rows, routes):
     sorted_rows = rows[routes.order]
     output = _fresh_buffer((num_devices * rows.shape[0], *rows.shape[1:]), rows.dtype, fill,
                            routes.recv_sizes)
-    return RAGGED_ALL_TO_ALL(sorted_rows, output, routes.send_offsets, routes.send_sizes,
-                             routes.landing_offsets, routes.recv_sizes, axis_name=axis_name)
+    received = RAGGED_ALL_TO_ALL(sorted_rows, output, routes.send_offsets, routes.send_sizes,
+                                 routes.landing_offsets, routes.recv_sizes, axis_name=axis_name)
+    return _typed_as_exchanged(received, rows, axis_name)
 
 
 def _dispatch_fwd(num_devices, axis_name, fill, rows, routes):
@@ -160,6 +170,7 @@ def _combine(num_slots, axis_name, processed, routes):
                            routes.send_sizes)
     sorted_out = RAGGED_ALL_TO_ALL(processed, output, routes.recv_offsets, routes.recv_sizes,
                                    routes.home_offsets, routes.send_sizes, axis_name=axis_name)
+    sorted_out = _typed_as_exchanged(sorted_out, processed, axis_name)
     return jnp.zeros_like(sorted_out).at[routes.order].set(sorted_out)
 
 
@@ -173,6 +184,17 @@ def _combine_bwd(num_slots, axis_name, routes, d_slots):
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def _typed_as_exchanged(result, operand, axis_name):
+    """``result`` typed as varying over the exchange's axis and ``operand``'s axes, as its values
+    do. ``ragged_all_to_all`` gives its result the type of its output buffer, which is invariant
+    (a fresh constant): the custom VJPs' cotangents then failed to match their varying inputs
+    (2 H200s: "the manual axis types do not match")."""
+    result = varying_like(result, operand)
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    missing = tuple(axis for axis in axes if axis not in varying_axes(result))
+    return lax.pcast(result, missing, to="varying") if missing else result
 
 
 def _fresh_buffer(shape, dtype, fill, tie):
