@@ -29,12 +29,19 @@ and an H200 showed what XLA did without it):
   activations alive: 24 layers of N = 65,536, H = 4096 asked for 114 GiB with 12 boundaries
   offloaded, against a 43.3 GiB peak for the checkpointed scan.
 
-Measured on one H200 (scripts/results/sco_gpu_20261130-065854.json), with all three
-barriers, 24 layers of N = 65,536, H = 4096, bf16: offloading 12 boundaries (6.44 GB, exactly
-XLA's host temporaries) lowered the allocator's peak from 43.26 GiB (the checkpointed scan) to
-33.23 GiB, and the step took 10.21 s against the scan's 10.31 s. All 24 offloaded is not yet
-measured. On CPU the memory kinds lower to nothing, so tests check values, the placement of
-transfers and the barriers' ties in the jaxpr.
+Two more ties keep XLA from holding all L layers' parameter copies (see _sco_scan_fwd and
+_sco_scan_bwd): each layer slices its parameters behind its input, and backward writes each
+layer's parameter gradients in place into the stacked result. Without them, offloading all 24
+boundaries lowered the peak no further than offloading 12 (sco_gpu_20261130-083730.json).
+
+Measured on one H200 (scripts/results/sco_gpu_20261130-085007.json, commit 2ab9037), 24
+layers of N = 65,536, H = 4096, bf16, boundaries of 0.54 GB: the checkpointed scan peaked at
+43.26 GiB in 10.18 s. Offloading 12 boundaries (XLA's host temporaries: exactly 6.44 GB)
+lowered the peak by 13.0 boundaries to 36.76 GiB, in 10.22 s (1.004x); offloading all 24
+(12.88 GB on the host) lowered it by 23.3 boundaries to 31.63 GiB, in 10.23 s (1.005x). The
+bound predicts falls of at least 10 and 22. On CPU the memory kinds lower to nothing, so tests
+check values, the placement of transfers, the barriers' ties in the jaxpr, and that the
+gradient's temporaries grow by one boundary per layer.
 
 Legend: L layers, N tokens, H hidden, b bytes per element of h.
 """
