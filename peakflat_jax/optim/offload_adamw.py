@@ -28,6 +28,11 @@ no fp32 master outlives its write-back (before that, 2.5e8 x 2 held 12.1 GiB). O
 memory kinds exist but the copies lower to nothing: tests check the numbers, not the
 transfers.
 
+The limit is the link as XLA drives it: 24 GB each way as independent copies in one program
+took 0.880 s, as long as one direction after the other (0.859 s;
+offload_adamw_gpu_20261130-090838.json), so the two directions do not overlap and larger
+buckets or more slots (5e8, 3 slots: 0.83 s) gain nothing.
+
 FSDP. Params (and grads, placed alike) may be NamedShardings on one mesh. The buckets are then
 cut from each device's own shards, and each bucket of the state is one global array of
 ``num_devices * bucket`` elements, a piece per device in host memory. Each device updates only
