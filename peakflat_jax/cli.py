@@ -1,7 +1,7 @@
 """The ``peakflat`` command.
 
-    peakflat bench OPERATOR [--preset cpu|gpu] [--only TEXT]... [--repeats N] [--out-dir DIR]
-                      [--json]
+    peakflat bench OPERATOR [--preset cpu|gpu] [--only TEXT]... [--repeats N] [--trace-steps N]
+                      [--out-dir DIR] [--json]
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ def _bench(args: argparse.Namespace) -> int:
         cases = [c for c in cases if any(text in json.dumps(c) for text in args.only)]
     if args.repeats is not None:
         cases = [dict(c, repeats=args.repeats) for c in cases]
+    if args.trace_steps is not None:
+        if args.trace_steps < 1:
+            raise SystemExit(f"--trace-steps: expected a positive int, got {args.trace_steps}")
+        cases = [dict(c, trace_steps=args.trace_steps) for c in cases]
     command = shlex.join(["peakflat", *args.argv])
     record = harness.run_suite(BENCHMARKS[args.operator], args.operator, args.preset, cases,
                                command=command, out_dir=args.out_dir)
@@ -57,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--only", action="append",
                        help="run only the cases whose JSON contains this text (repeatable: any)")
     bench.add_argument("--repeats", type=int, help="timed repeats per case (default: preset's)")
+    bench.add_argument("--trace-steps", type=int,
+                       help="also trace N steps of each case and record where the device time "
+                            "went (cases that time a compiled step: moe_dispatch, ring_dtp, "
+                            "sco)")
     bench.add_argument("--out-dir", help="where the JSON record goes (default scripts/results)")
     bench.add_argument("--json", action="store_true", help="print the whole record as JSON")
     argv = sys.argv[1:] if argv is None else argv

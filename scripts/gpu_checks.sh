@@ -8,6 +8,8 @@
 #                                              #   the buckets and slots not yet measured
 #   bash scripts/gpu_checks.sh x2-moe [TEXT...]  # nvidia-h200-x2: ragged-exchange probe, then
 #                                              #   the MoE cases whose JSON holds any TEXT
+#   bash scripts/gpu_checks.sh x2-moe-profile  # nvidia-h200-x2: EP, LLEP and pipelined at
+#                                              #   32768 under 95%/16, traced: where time goes
 #
 # Records go to $OUT when set (the device tool's output folder), else scripts/results.
 set -uo pipefail
@@ -34,8 +36,13 @@ case "${1:-}" in
     only=()
     for text in "${@:-\"tokens\": 32768, \"profile\": [0.0, 0]}"; do only+=(--only "$text"); done
     timeout 420 python3 scripts/bench_moe_dispatch.py --preset gpu "${only[@]}" --out-dir "$out" ;;
+  x2-moe-profile)
+    prefix='"tokens": 32768, "profile": [0.95, 16], "method":'
+    timeout 560 python3 scripts/bench_moe_dispatch.py --preset gpu --repeats 3 --trace-steps 2 \
+      --only "$prefix \"ep\"" --only "$prefix \"llep\"" \
+      --only "$prefix \"pipelined\", \"membership\": \"strided\"" --out-dir "$out" ;;
   *)
     echo "usage: bash scripts/gpu_checks.sh h200-sco | h200-kernels | h200-adamw |" \
-      "x2-moe [TEXT...]" >&2
+      "x2-moe [TEXT...] | x2-moe-profile" >&2
     exit 2 ;;
 esac

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import jax
 
 from peakflat_jax import memory
+from peakflat_jax.bench import device_profile
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "results"
 
@@ -46,7 +47,11 @@ def measure_compiled(compiled, args, devices, case: dict) -> dict:
                        repeats=case.get("repeats", 10))
     plan = memory.compiled_memory(compiled)
     largest = memory.largest_arrays(compiled, count=1)
-    return {
+    # A case with "trace_steps" also records where its device time went (after the timing, so
+    # the profiler does not slow the timed calls).
+    traced = ({"device_profile": device_profile.profile_call(
+        compiled, *args, steps=case["trace_steps"])} if case.get("trace_steps") else {})
+    return {**traced,
         "time_s": timing["median_s"], "time_min_s": timing["min_s"],
         "time_max_s": timing["max_s"], "repeats": timing["repeats"],
         "peak_bytes": peak_bytes_over(devices),

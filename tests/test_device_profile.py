@@ -1,0 +1,50 @@
+"""The profile summary benchmarks attach to their records: stream busy times and op times."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from peakflat_jax.bench import device_profile, harness
+
+
+def test_summary_takes_the_union_per_stream_and_ranks_ops():
+    events = [("gpu/stream 1", "gemm", 0, 10), ("gpu/stream 1", "gemm", 5, 10),  # overlap
+              ("gpu/stream 1", "add", 30, 4), ("gpu/stream 2", "all-to-all", 0, 40),
+              ("gpu/stream 1", "gemm", 100, 10), ("gpu/stream 1", "gemm", 105, 10),
+              ("gpu/stream 1", "add", 130, 4), ("gpu/stream 2", "all-to-all", 100, 40)]
+    summary = device_profile.summarize_events(events, steps=2, top=2)
+    assert summary["streams"]["gpu/stream 1"] == {"busy_ms": 19e-6, "events": 3}
+    assert summary["streams"]["gpu/stream 2"] == {"busy_ms": 40e-6, "events": 1}
+    assert summary["ops_ms"] == {"gemm": 20e-6, "all-to-all": 40e-6}
+    assert list(summary["ops_ms"]) == ["all-to-all", "gemm"]
+    assert summary["other_ops_ms"] == 4e-6
+
+
+def test_profile_call_reads_its_own_trace():
+    """On CPU the XLA work shows on the host plane; the same code reads GPU planes."""
+    fn = jax.jit(lambda a: jnp.tanh(a @ a) @ a)
+    a = jnp.ones((256, 256))
+    fn(a)
+    summary = device_profile.profile_call(fn, a, steps=2, plane_prefix="/host:CPU")
+    assert summary["steps"] == 2
+    assert summary["streams"] and all(s["busy_ms"] >= 0 for s in summary["streams"].values())
+    assert summary["ops_ms"]
+    missing = device_profile.profile_call(fn, a, steps=1, plane_prefix="/nothing")
+    assert "no events" in missing["error"]
+
+
+def test_bad_steps():
+    with pytest.raises(ValueError, match="steps"):
+        device_profile.profile_call(lambda: None, steps=0)
+
+
+def test_a_case_with_trace_steps_records_a_profile():
+    fn = jax.jit(lambda a: a @ a)
+    a = jnp.ones((64, 64))
+    compiled = fn.lower(a).compile()
+    plain = harness.measure_compiled(compiled, (a,), jax.devices()[:1], {"repeats": 1})
+    traced = harness.measure_compiled(compiled, (a,), jax.devices()[:1],
+                                      {"repeats": 1, "trace_steps": 1})
+    assert "device_profile" not in plain
+    # CPU has no device plane: the record says so instead of holding numbers.
+    assert "no events" in traced["device_profile"]["error"]
