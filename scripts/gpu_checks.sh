@@ -3,6 +3,8 @@
 # device call (at most 10 minutes). Run from the repository root on the GPU machine:
 #
 #   bash scripts/gpu_checks.sh h200-sco        # nvidia-h200: SCO, half and all boundaries offloaded
+#   bash scripts/gpu_checks.sh h200-sco-plan   # nvidia-h200: XLA's buffer plan of SCO's step
+#                                              #   (compile only: what the temporaries hold)
 #   bash scripts/gpu_checks.sh h200-kernels    # nvidia-h200: the Mosaic probe (forward blocks)
 #   bash scripts/gpu_checks.sh h200-adamw      # nvidia-h200: OffloadStreamAdamW baselines, and
 #                                              #   the buckets and slots not yet measured
@@ -24,6 +26,9 @@ case "${1:-}" in
     timeout 560 python3 scripts/bench_sco.py --preset gpu --repeats 2 --only '"offload": 24' \
       --only '"offload": 12' \
       --only scan --out-dir "$out" ;;
+  h200-sco-plan)
+    timeout 300 python3 scripts/probe_sco_plan.py --offload 24 12 --min-gb 0.5 \
+      --out-dir "$out" ;;
   h200-kernels)
     timeout 300 python3 scripts/probe_grouped_matmul.py --out-dir "$out" ;;
   h200-adamw)
@@ -42,7 +47,8 @@ case "${1:-}" in
       --only "$prefix \"ep\"" --only "$prefix \"llep\"" \
       --only "$prefix \"pipelined\", \"membership\": \"strided\"" --out-dir "$out" ;;
   *)
-    echo "usage: bash scripts/gpu_checks.sh h200-sco | h200-kernels | h200-adamw |" \
+    echo "usage: bash scripts/gpu_checks.sh h200-sco | h200-sco-plan | h200-kernels |" \
+      "h200-adamw |" \
       "x2-moe [TEXT...] | x2-moe-profile" >&2
     exit 2 ;;
 esac
