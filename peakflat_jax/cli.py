@@ -17,6 +17,9 @@ BENCHMARKS = {"ring_dtp": "peakflat_jax.bench.ring_dtp",
               "moe_dispatch": "peakflat_jax.bench.moe_dispatch",
               "offload_adamw": "peakflat_jax.bench.offload_adamw",
               "sco": "peakflat_jax.bench.sco"}
+# The benchmarks whose cases time one compiled step (harness.measure_compiled), which --trace-steps
+# profiles; offload_adamw times a step and host-side baselines its own way.
+TRACEABLE = ("moe_dispatch", "ring_dtp", "sco")
 
 
 def _prepare_environment() -> None:
@@ -41,6 +44,9 @@ def _bench(args: argparse.Namespace) -> int:
     if args.trace_steps is not None:
         if args.trace_steps < 1:
             raise SystemExit(f"--trace-steps: expected a positive int, got {args.trace_steps}")
+        if args.operator not in TRACEABLE:
+            raise SystemExit(f"--trace-steps: {args.operator} times no single compiled step; "
+                             f"expected one of {sorted(TRACEABLE)}")
         cases = [dict(c, trace_steps=args.trace_steps) for c in cases]
     command = shlex.join(["peakflat", *args.argv])
     record = harness.run_suite(BENCHMARKS[args.operator], args.operator, args.preset, cases,
@@ -63,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--repeats", type=int, help="timed repeats per case (default: preset's)")
     bench.add_argument("--trace-steps", type=int,
                        help="also trace N steps of each case and record where the device time "
-                            "went (cases that time a compiled step: moe_dispatch, ring_dtp, "
-                            "sco)")
+                            "went (the benchmarks that time one compiled step: moe_dispatch, "
+                            "ring_dtp, sco)")
     bench.add_argument("--out-dir", help="where the JSON record goes (default scripts/results)")
     bench.add_argument("--json", action="store_true", help="print the whole record as JSON")
     argv = sys.argv[1:] if argv is None else argv

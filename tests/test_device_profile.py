@@ -7,28 +7,35 @@ import pytest
 from peakflat_jax.bench import device_profile, harness
 
 
-def test_summary_takes_the_union_per_stream_and_ranks_ops():
-    events = [("gpu/stream 1", "gemm", 0, 10), ("gpu/stream 1", "gemm", 5, 10),  # overlap
-              ("gpu/stream 1", "add", 30, 4), ("gpu/stream 2", "all-to-all", 0, 40),
-              ("gpu/stream 1", "gemm", 100, 10), ("gpu/stream 1", "gemm", 105, 10),
-              ("gpu/stream 1", "add", 130, 4), ("gpu/stream 2", "all-to-all", 100, 40)]
+def test_summary_takes_the_union_per_stream_and_ranks_ops_per_device():
+    events = [("gpu:0", "stream 1", "gemm", 0, 10), ("gpu:0", "stream 1", "gemm", 5, 10),
+              ("gpu:0", "stream 1", "add", 30, 4), ("gpu:0", "stream 2", "all-to-all", 0, 40),
+              ("gpu:0", "stream 1", "gemm", 100, 10), ("gpu:0", "stream 1", "gemm", 105, 10),
+              ("gpu:0", "stream 1", "add", 130, 4), ("gpu:0", "stream 2", "all-to-all", 100, 40),
+              ("gpu:1", "stream 1", "gemm", 0, 6), ("gpu:1", "stream 1", "gemm", 100, 6)]
     summary = device_profile.summarize_events(events, steps=2, top=2)
-    assert summary["streams"]["gpu/stream 1"] == {"busy_ms": 19e-6, "events": 3}
-    assert summary["streams"]["gpu/stream 2"] == {"busy_ms": 40e-6, "events": 1}
-    assert summary["ops_ms"] == {"gemm": 20e-6, "all-to-all": 40e-6}
-    assert list(summary["ops_ms"]) == ["all-to-all", "gemm"]
-    assert summary["other_ops_ms"] == 4e-6
+    first, second = summary["planes"]["gpu:0"], summary["planes"]["gpu:1"]
+    # Overlapping kernels count once in a stream's busy time: 15 + 4 per step.
+    assert first["lines"] == {"stream 1": {"busy_ms": 19e-6, "events": 3},
+                              "stream 2": {"busy_ms": 40e-6, "events": 1}}
+    assert list(first["ops_ms"].items()) == [("all-to-all", 40e-6), ("gemm", 20e-6)]
+    assert first["other_ops_ms"] == 4e-6
+    # Devices are not summed: gpu:1's gemm is its own.
+    assert second == {"lines": {"stream 1": {"busy_ms": 6e-6, "events": 1}},
+                      "ops_ms": {"gemm": 6e-6}, "other_ops_ms": 0}
 
 
 def test_profile_call_reads_its_own_trace():
-    """On CPU the XLA work shows on the host plane; the same code reads GPU planes."""
+    """On CPU, XLA's thunks show on the host plane under their HLO names (the GPU planes are
+    read by the same code)."""
     fn = jax.jit(lambda a: jnp.tanh(a @ a) @ a)
     a = jnp.ones((256, 256))
     fn(a)
-    summary = device_profile.profile_call(fn, a, steps=2, plane_prefix="/host:CPU")
+    summary = device_profile.profile_call(fn, a, steps=2, top=1000, plane_prefix="/host:CPU")
+    host = summary["planes"]["/host:CPU"]
     assert summary["steps"] == 2
-    assert summary["streams"] and all(s["busy_ms"] >= 0 for s in summary["streams"].values())
-    assert summary["ops_ms"]
+    assert any(name.startswith("wrapped_tanh") and ms > 0 for name, ms in host["ops_ms"].items())
+    assert any(line["busy_ms"] > 0 for line in host["lines"].values())
     missing = device_profile.profile_call(fn, a, steps=1, plane_prefix="/nothing")
     assert "no events" in missing["error"]
 

@@ -1,14 +1,16 @@
 """Where a step's device time goes: a ``jax.profiler`` trace of a few calls, read back in the
-same process and reduced to a small JSON-able summary (per stream: busy time; per HLO op or
-kernel: time), so that a benchmark record can say what a ratio is made of without shipping the
-trace.
+same process and reduced to a small JSON-able summary (per device and stream: busy time; per
+device and HLO op or kernel: time), so that a benchmark record can say what a ratio is made of
+without shipping the trace.
 
     summary = device_profile.profile_call(compiled_step, *args, steps=2)
 
-On a GPU the device planes are ``/device:GPU:<n>``; each of their lines is a stream (compute,
-memcpy, NCCL), each event a kernel, tagged with its HLO op when XLA launched it. Times are per
-call (the trace's totals divided by ``steps``). A stream's busy time is the union of its events'
-intervals, so the sum of per-op times can exceed it only where kernels on one stream overlap.
+On a GPU the device planes are ``/device:GPU:<n>``, one per device; each of their lines should
+be a stream (compute, memcpy, NCCL), each event a kernel, tagged with its HLO op (``hlo_op``)
+when XLA launched it. That layout is the profiler's documented one, not yet seen in a record of
+ours: the first GPU run should be read with that in mind. Times are per call (the trace's
+totals divided by ``steps``) and per plane (device), never summed over devices. A line's busy
+time is the union of its events' intervals.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ def profile_call(fn: Callable, *args, steps: int = 2, top: int = 40,
 
 
 def _events(data: ProfileData, plane_prefix: str):
-    """(plane/line, name, start_ns, duration_ns) of every event on the chosen planes; the name is
-    the event's HLO op where XLA tagged one, else the event's own name."""
+    """(plane, line, name, start_ns, duration_ns) of every event on the chosen planes; the name
+    is the event's HLO op where XLA tagged one, else the event's own name."""
     for plane in data.planes:
         if not plane.name.startswith(plane_prefix):
             continue
@@ -53,25 +55,28 @@ def _events(data: ProfileData, plane_prefix: str):
             for event in line.events:
                 stats = dict(event.stats)
                 name = stats.get("hlo_op") or event.name
-                yield f"{plane.name}/{line.name}", str(name), event.start_ns, event.duration_ns
+                yield plane.name, line.name, str(name), event.start_ns, event.duration_ns
 
 
-def summarize_events(events: Iterable[tuple[str, str, float, float]], *, steps: int,
+def summarize_events(events: Iterable[tuple[str, str, str, float, float]], *, steps: int,
                      top: int) -> dict:
-    """Per line (stream): busy milliseconds per call and event count; per name: milliseconds per
-    call, the ``top`` largest, and the rest summed."""
-    by_line, by_name = collections.defaultdict(list), collections.Counter()
-    for line, name, start, duration in events:
-        by_line[line].append((start, start + duration))
-        by_name[name] += duration
-    streams = {line: {"busy_ms": _union_ns(intervals) / 1e6 / steps,
-                      "events": len(intervals) // steps}
-               for line, intervals in sorted(by_line.items())}
-    ranked = by_name.most_common()
-    rest = sum(duration for _, duration in ranked[top:])
-    return {"steps": steps, "streams": streams,
+    """Per plane (device): each line's busy milliseconds per call and event count, and the
+    ``top`` names by milliseconds per call, with the rest summed."""
+    lines = collections.defaultdict(list)
+    names = collections.defaultdict(collections.Counter)
+    for plane, line, name, start, duration in events:
+        lines[plane, line].append((start, start + duration))
+        names[plane][name] += duration
+    summary = {"steps": steps, "planes": {}}
+    for plane in sorted(names):
+        ranked = names[plane].most_common()
+        summary["planes"][plane] = {
+            "lines": {line: {"busy_ms": _union_ns(intervals) / 1e6 / steps,
+                             "events": len(intervals) // steps}
+                      for (p, line), intervals in sorted(lines.items()) if p == plane},
             "ops_ms": {name: duration / 1e6 / steps for name, duration in ranked[:top]},
-            "other_ops_ms": rest / 1e6 / steps}
+            "other_ops_ms": sum(duration for _, duration in ranked[top:]) / 1e6 / steps}
+    return summary
 
 
 def _union_ns(intervals: list[tuple[float, float]]) -> float:

@@ -47,11 +47,7 @@ def measure_compiled(compiled, args, devices, case: dict) -> dict:
                        repeats=case.get("repeats", 10))
     plan = memory.compiled_memory(compiled)
     largest = memory.largest_arrays(compiled, count=1)
-    # A case with "trace_steps" also records where its device time went (after the timing, so
-    # the profiler does not slow the timed calls).
-    traced = ({"device_profile": device_profile.profile_call(
-        compiled, *args, steps=case["trace_steps"])} if case.get("trace_steps") else {})
-    return {**traced,
+    measured = {
         "time_s": timing["median_s"], "time_min_s": timing["min_s"],
         "time_max_s": timing["max_s"], "repeats": timing["repeats"],
         "peak_bytes": peak_bytes_over(devices),
@@ -60,6 +56,11 @@ def measure_compiled(compiled, args, devices, case: dict) -> dict:
         "largest_array": largest[0][1] if largest else None,
         "largest_array_elements": largest[0][0] if largest else 0,
     }
+    if case.get("trace_steps"):
+        # After the timing, so that the profiler does not slow the timed calls.
+        measured["device_profile"] = device_profile.profile_call(compiled, *args,
+                                                                 steps=case["trace_steps"])
+    return measured
 
 
 def peak_bytes_over(devices) -> int | None:

@@ -127,14 +127,14 @@ def dispatch(rows: jax.Array, routes: RaggedRoutes, num_devices: int, axis_name,
              fill=0) -> jax.Array:
     """``[D * S, ...]``: the rows sent to this device, source by source, then ``fill``.
     Linear in ``rows``; its transpose is ``combine`` (a custom VJP: module doc)."""
-    return _dispatch(num_devices, axis_name, fill, rows, routes)
+    return _dispatch(num_devices, axis_name, fill, _varying_over(rows, axis_name), routes)
 
 
 def combine(processed: jax.Array, routes: RaggedRoutes, num_slots: int,
             axis_name) -> jax.Array:
     """``[S, ...]``: each slot's processed row back at its place; 0 for slots not sent.
     Linear in ``processed``; its transpose is ``dispatch`` with fill 0 (a custom VJP)."""
-    return _combine(num_slots, axis_name, processed, routes)
+    return _combine(num_slots, axis_name, _varying_over(processed, axis_name), routes)
 
 
 # The two directions are each other's transposes, which these custom VJPs state directly: jax's
@@ -149,7 +149,7 @@ def _dispatch(num_devices, axis_name, fill, rows, routes):
                            routes.recv_sizes)
     received = RAGGED_ALL_TO_ALL(sorted_rows, output, routes.send_offsets, routes.send_sizes,
                                  routes.landing_offsets, routes.recv_sizes, axis_name=axis_name)
-    return _typed_as_exchanged(received, rows, axis_name)
+    return _typed_as_exchanged(received, rows)
 
 
 def _dispatch_fwd(num_devices, axis_name, fill, rows, routes):
@@ -170,7 +170,7 @@ def _combine(num_slots, axis_name, processed, routes):
                            routes.send_sizes)
     sorted_out = RAGGED_ALL_TO_ALL(processed, output, routes.recv_offsets, routes.recv_sizes,
                                    routes.home_offsets, routes.send_sizes, axis_name=axis_name)
-    sorted_out = _typed_as_exchanged(sorted_out, processed, axis_name)
+    sorted_out = _typed_as_exchanged(sorted_out, processed)
     return jnp.zeros_like(sorted_out).at[routes.order].set(sorted_out)
 
 
@@ -186,15 +186,21 @@ def _combine_bwd(num_slots, axis_name, routes, d_slots):
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
-def _typed_as_exchanged(result, operand, axis_name):
-    """``result`` typed as varying over the exchange's axis and ``operand``'s axes, as its values
-    do. ``ragged_all_to_all`` gives its result the type of its output buffer, which is invariant
-    (a fresh constant): the custom VJPs' cotangents then failed to match their varying inputs
-    (2 H200s: "the manual axis types do not match")."""
-    result = varying_like(result, operand)
+def _varying_over(x, axis_name):
+    """``x`` typed as varying over the exchange's axis. The custom VJPs take only such operands:
+    their cotangents vary over the axis, and for an operand that did not, the cast's own
+    transpose (a psum) makes the cotangent match."""
     axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-    missing = tuple(axis for axis in axes if axis not in varying_axes(result))
-    return lax.pcast(result, missing, to="varying") if missing else result
+    missing = tuple(axis for axis in axes if axis not in varying_axes(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _typed_as_exchanged(result, operand):
+    """``result`` typed as varying like ``operand`` (which varies over the exchange's axis), as
+    its values do. ``ragged_all_to_all`` gives its result the type of its output buffer, which
+    is invariant (a fresh constant): the custom VJPs' cotangents then failed to match their
+    varying inputs (2 H200s: "the manual axis types do not match")."""
+    return varying_like(result, operand)
 
 
 def _fresh_buffer(shape, dtype, fill, tie):
