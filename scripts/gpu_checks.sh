@@ -6,8 +6,8 @@
 #   bash scripts/gpu_checks.sh h200-sco-plan   # nvidia-h200: XLA's buffer plan of SCO's step
 #                                              #   (compile only: what the temporaries hold)
 #   bash scripts/gpu_checks.sh h200-kernels    # nvidia-h200: the Mosaic probe (forward blocks)
-#   bash scripts/gpu_checks.sh h200-adamw      # nvidia-h200: OffloadStreamAdamW baselines, and
-#                                              #   the buckets and slots not yet measured
+#   bash scripts/gpu_checks.sh h200-adamw      # nvidia-h200: OffloadStreamAdamW baselines,
+#                                              #   buckets of 5e8 and 3 slots
 #   bash scripts/gpu_checks.sh x2-moe [TEXT...]  # nvidia-h200-x2: ragged-exchange probe, then
 #                                              #   the MoE cases whose JSON holds any TEXT
 #   bash scripts/gpu_checks.sh x2-moe-profile  # nvidia-h200-x2: EP, LLEP and pipelined at

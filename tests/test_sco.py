@@ -132,6 +132,7 @@ def test_transfers_and_layers_are_tied_in_order(rng):
     forward_ties = [used for kinds, used in found if kinds == ["host", "value"]]
     assert len(forward_ties) == LAYERS and all(all(used) for used in forward_ties)
     num_param_leaves = len(jax.tree.leaves(params))
+    assert num_param_leaves > 1  # ties are told apart by their operand counts
     # Forward: each layer slices its parameters behind its input.
     slice_ties = [used for kinds, used in found if len(kinds) == 1 + num_param_leaves]
     assert len(slice_ties) == LAYERS and all(all(used) for used in slice_ties)
@@ -262,7 +263,8 @@ def test_gradient_temporaries_grow_by_one_boundary_per_layer():
     """Bound: (L - n_offloaded + 2) boundaries + one layer's activations, so with nothing
     offloaded (and on CPU nothing is) each added layer may add one boundary, never a layer's
     parameters or their gradients (which XLA kept alive for all layers until the slices and the
-    gradient writes were tied to the layer order). Parameters here are 64x a boundary."""
+    gradient writes were tied to the layer order). A layer's parameters here are 32x a
+    boundary."""
     tokens, hidden = 32, 128
     boundary = tokens * hidden * 4
     growth = gradient_temp_bytes(8, tokens, hidden) - gradient_temp_bytes(4, tokens, hidden)

@@ -112,10 +112,10 @@ def run_case(case: dict) -> dict:
         args = [grads, state, None]
     elif method in ("link", "duplex"):
         host = SingleDeviceSharding(device, memory_kind="pinned_host")
-        num_bytes = 12 * case["num_params"]
-        chunk = min(num_bytes // 4, 1 << 28)  # fp32 elements per array
-        arrays = jax.jit(lambda: [jnp.ones((chunk,), jnp.float32)
-                                  for _ in range(num_bytes // 4 // chunk)],
+        elements = 12 * case["num_params"] // 4  # fp32, in arrays of at most 2**28
+        sizes = [1 << 28] * (elements >> 28) + ([elements % (1 << 28)] if elements % (1 << 28)
+                                                 else [])
+        arrays = jax.jit(lambda: [jnp.ones((size,), jnp.float32) for size in sizes],
                          out_shardings=host)()
         if method == "duplex":
             resident = jax.jit(lambda a: jax.device_put(a, jax.memory.Space.Device))(arrays)

@@ -28,10 +28,11 @@ no fp32 master outlives its write-back (before that, 2.5e8 x 2 held 12.1 GiB). O
 memory kinds exist but the copies lower to nothing: tests check the numbers, not the
 transfers.
 
-The limit is the link as XLA drives it: 24 GB each way as independent copies in one program
-took 0.880 s, as long as one direction after the other (0.859 s;
-offload_adamw_gpu_20261130-090838.json), so the two directions do not overlap and larger
-buckets or more slots (5e8, 3 slots: 0.83 s) gain nothing.
+The limit is the link as XLA drives it: 23.6 GB each way as independent whole-array copies in
+one program took 0.880 s, as long as one direction after the other (0.859 s;
+offload_adamw_gpu_20261130-090838.json). XLA issues host copies of both directions on one
+extra stream (openxla/xla#10450), and larger buckets or more slots (5e8, 3 slots: 0.83 s)
+gained nothing.
 
 FSDP. Params (and grads, placed alike) may be NamedShardings on one mesh. The buckets are then
 cut from each device's own shards, and each bucket of the state is one global array of
