@@ -1,7 +1,7 @@
 """The ``peakflat`` command.
 
-    peakflat bench OPERATOR [--preset cpu|gpu] [--only TEXT]... [--repeats N] [--trace-steps N]
-                      [--out-dir DIR] [--json]
+    peakflat bench OPERATOR [--preset cpu|gpu|gpu-x8] [--only TEXT]... [--repeats N]
+                      [--trace-steps N] [--out-dir DIR] [--json]
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ def _bench(args: argparse.Namespace) -> int:
     module = importlib.import_module(BENCHMARKS[args.operator])
     from peakflat_jax.bench import harness
 
-    cases = module.presets()[args.preset]
+    presets = module.presets()
+    if args.preset not in presets:
+        raise SystemExit(f"--preset: {args.operator} has {sorted(presets)}, got {args.preset!r}")
+    cases = presets[args.preset]
     if args.only:
         cases = [c for c in cases if any(text in json.dumps(c) for text in args.only)]
     if args.repeats is not None:
@@ -62,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("bench", help="benchmark an operator against its baseline")
     bench.add_argument("operator", choices=sorted(BENCHMARKS))
-    bench.add_argument("--preset", default="cpu", choices=["cpu", "gpu"],
-                       help="cpu (small, runs anywhere) or gpu (the paper's shapes)")
+    bench.add_argument("--preset", default="cpu",
+                       help="cpu (small, runs anywhere), gpu (the paper's shapes on the lent "
+                            "H200s) or gpu-x8 (eight H200s, where a benchmark has it)")
     bench.add_argument("--only", action="append",
                        help="run only the cases whose JSON contains this text (repeatable: any)")
     bench.add_argument("--repeats", type=int, help="timed repeats per case (default: preset's)")

@@ -12,6 +12,10 @@
 #                                              #   the MoE cases whose JSON holds any TEXT
 #   bash scripts/gpu_checks.sh x2-moe-profile  # nvidia-h200-x2: EP, LLEP and pipelined at
 #                                              #   32768 under 95%/16, traced: where time goes
+#   bash scripts/gpu_checks.sh x8-ring         # nvidia-h200-x8: Ring-DTP at P = 8 (issue 6)
+#   bash scripts/gpu_checks.sh x8-moe [TEXT...]  # nvidia-h200-x8: PipelinedLLEP at E_p = 8, the
+#                                              #   cases whose JSON holds any TEXT (default: 95%/16)
+#   bash scripts/gpu_checks.sh x8-adamw        # nvidia-h200-x8: 8 AdamW streams sharing the host
 #
 # Records go to $OUT when set (the device tool's output folder), else scripts/results.
 set -uo pipefail
@@ -46,9 +50,19 @@ case "${1:-}" in
     timeout 560 python3 scripts/bench_moe_dispatch.py --preset gpu --repeats 3 --trace-steps 2 \
       --only "$prefix \"ep\"" --only "$prefix \"llep\"" \
       --only "$prefix \"pipelined\", \"membership\": \"strided\"" --out-dir "$out" ;;
+  x8-ring)
+    timeout 560 python3 scripts/bench_ring_dtp.py --preset gpu-x8 --out-dir "$out" ;;
+  x8-moe)
+    shift
+    only=()
+    for text in "${@:-\"profile\": [0.95, 16]}"; do only+=(--only "$text"); done
+    timeout 560 python3 scripts/bench_moe_dispatch.py --preset gpu-x8 "${only[@]}" \
+      --out-dir "$out" ;;
+  x8-adamw)
+    timeout 560 python3 scripts/bench_offload_adamw.py --preset gpu-x8 --out-dir "$out" ;;
   *)
     echo "usage: bash scripts/gpu_checks.sh h200-sco | h200-sco-plan | h200-kernels |" \
       "h200-adamw |" \
-      "x2-moe [TEXT...] | x2-moe-profile" >&2
+      "x2-moe [TEXT...] | x2-moe-profile | x8-ring | x8-moe [TEXT...] | x8-adamw" >&2
     exit 2 ;;
 esac

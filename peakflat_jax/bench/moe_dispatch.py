@@ -57,6 +57,7 @@ def presets() -> dict[str, list[dict]]:
                  llep_min_tokens=64, repeats=3)
     cpu_profiles = [skew.PAPER_PROFILES[i] for i in (0, 1, 3)]
     return {"gpu": cases(paper, skew.PAPER_PROFILES, (65536, 32768), 6554),
+            "gpu-x8": cases(dict(paper, devices=8), skew.PAPER_PROFILES, (65536,), 6554),
             "cpu": cases(small, cpu_profiles, (1024,), 128)}
 
 

@@ -14,11 +14,25 @@ Methods:
   device -> host copy of that many bytes.
 - ``duplex``: the same bytes each way as independent copies in one jitted program, to see
   whether XLA runs the two directions at once (the floor would halve) or one after the other.
+- ``stream_shared``: ``processes`` workers at once, each a ``stream`` case on its own device
+  (``CUDA_VISIBLE_DEVICES``, when the case says ``pin_gpus``) with its own host state, started
+  together once all have compiled: the host link and memory shared as by 8 ranks of one node.
+  The step time is the slowest worker's median; ``overlap`` is the share of the timed window
+  during which all workers were timing.
+
+The gpu-x8 preset (nvidia-h200-x8) runs 2e9 parameters in all: one worker with 2.5e8 alone,
+then eight at once, and AdamW on the host CPU over all 2e9.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+import subprocess
 import sys
+import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +54,20 @@ def presets() -> dict[str, list[dict]]:
                 for b in buckets for s in slots]
         return out
 
+    def shared(num_params, leaf_params, bucket_params, processes, pin_gpus):
+        common = dict(num_params=num_params, leaf_params=leaf_params, repeats=5,
+                      bucket_params=bucket_params, slots=2, pin_gpus=pin_gpus)
+        return [dict(common, method="stream_shared", processes=p) for p in processes]
+
+    per_gpu = 250_000_000  # 2e9 parameters over 8 ranks
     return {"gpu": cases(2_000_000_000, 100_000_000, (100_000_000, 250_000_000, 500_000_000),
                          (1, 2, 3), 5),
-            "cpu": cases(2_000_000, 300_000, (500_000,), (1, 2), 3)}
+            "gpu-x8": [dict(num_params=8 * per_gpu, leaf_params=100_000_000, repeats=3,
+                            method="host_cpu"),
+                       *shared(per_gpu, 50_000_000, 62_500_000, (1, 8), True),
+                       *shared(per_gpu, 50_000_000, 125_000_000, (1, 8), True)],
+            "cpu": [*cases(2_000_000, 300_000, (500_000,), (1, 2), 3),
+                    *shared(1_000_000, 200_000, 500_000, (2,), False)]}
 
 
 def _params(case, device, dtype):
@@ -56,8 +81,10 @@ def _params(case, device, dtype):
 
 
 def run_case(case: dict) -> dict:
-    device = jax.devices()[0]
     method = case["method"]
+    if method == "stream_shared":  # before any backend starts: the workers need the devices
+        return _shared_link(case)
+    device = jax.devices()[0]
     extra = {}
     if method == "host_cpu":
         device = jax.devices("cpu")[0]
@@ -146,11 +173,69 @@ def run_case(case: dict) -> dict:
         args = [args[0], out[1], out[2] if method != "host_cpu" else out[0]]
         return out
 
-    timing = harness.time_call(run, warmup=1, repeats=case["repeats"])
+    jax.block_until_ready(run())  # compiles
+    if RENDEZVOUS_ENV in os.environ:  # a stream_shared worker: start with the others
+        _ready_then_wait_for_go(os.environ[RENDEZVOUS_ENV], os.environ[WORKER_ENV])
+        extra["timed_from"] = time.time()
+    timing = harness.time_call(run, warmup=0, repeats=case["repeats"])
+    if RENDEZVOUS_ENV in os.environ:
+        extra["timed_to"] = time.time()
     return {**extra, "time_s": timing["median_s"], "time_min_s": timing["min_s"],
             "time_max_s": timing["max_s"], "repeats": timing["repeats"],
             "peak_bytes": harness.peak_bytes_over([device]) if device.platform != "cpu"
             else None}
+
+
+RENDEZVOUS_ENV, WORKER_ENV = "PEAKFLAT_RENDEZVOUS", "PEAKFLAT_WORKER"
+
+
+def _shared_link(case: dict) -> dict:
+    """``processes`` stream workers at once, one per device, each in its own process."""
+    processes = case["processes"]
+    worker_case = {key: value for key, value in case.items()
+                   if key not in ("processes", "pin_gpus")} | {"method": "stream"}
+    with tempfile.TemporaryDirectory() as rendezvous:
+        workers = []
+        for index in range(processes):
+            env = dict(os.environ, **{RENDEZVOUS_ENV: rendezvous, WORKER_ENV: str(index)})
+            if case.get("pin_gpus"):
+                env["CUDA_VISIBLE_DEVICES"] = str(index)
+            workers.append(subprocess.Popen(
+                [sys.executable, "-m", __spec__.name, "--case", json.dumps(worker_case)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        ready = [pathlib.Path(rendezvous, f"ready_{index}") for index in range(processes)]
+        deadline = time.time() + 600
+        while not all(path.exists() for path in ready):
+            if time.time() > deadline or any(w.poll() is not None for w in workers):
+                for worker in workers:
+                    worker.kill()
+                errors = [w.communicate()[1][-1500:] for w in workers]
+                return {"error": "a worker failed or never got ready", "stderr_tails": errors}
+            time.sleep(0.05)
+        pathlib.Path(rendezvous, "go").touch()
+        outputs = [worker.communicate(timeout=900) for worker in workers]
+    results = []
+    for worker, (stdout, stderr) in zip(workers, outputs):
+        lines = [line for line in stdout.splitlines() if line.startswith("{")]
+        if worker.returncode != 0 or not lines or "error" in json.loads(lines[-1]):
+            return {"error": f"worker exit {worker.returncode}", "stderr_tail": stderr[-2000:],
+                    "result": lines[-1] if lines else None}
+        results.append(json.loads(lines[-1]))
+    start, end = max(r["timed_from"] for r in results), min(r["timed_to"] for r in results)
+    window = max(r["timed_to"] for r in results) - min(r["timed_from"] for r in results)
+    peaks = [r["peak_bytes"] for r in results]
+    return {"time_s": max(r["time_s"] for r in results),
+            "worker_time_s": [r["time_s"] for r in results],
+            "overlap": max(0.0, end - start) / window if window > 0 else 1.0,
+            "peak_bytes": None if None in peaks else max(peaks),
+            "device": results[0]["device"]}
+
+
+def _ready_then_wait_for_go(rendezvous: str, worker: str) -> None:
+    pathlib.Path(rendezvous, f"ready_{worker}").touch()
+    go = pathlib.Path(rendezvous, "go")
+    while not go.exists():
+        time.sleep(0.01)
 
 
 def _apply(opt, grads, state, params):
@@ -164,18 +249,25 @@ def summarize(record: dict) -> str:
     link = next((c for c in cases if c["method"] == "link" and "error" not in c), None)
     rows = []
     for case in cases:
-        label = case["method"] + (f" beta={case['bucket_params']:.3g} slots={case['slots']}"
-                                  if case["method"] == "stream" else "")
+        label = case["method"] + (
+            f" x{case['processes']} ({case['num_params']:.3g} params each)"
+            if "processes" in case else "") + (
+            f" beta={case['bucket_params']:.3g} slots={case['slots']}"
+            if case["method"].startswith("stream") else "")
         if "error" in case:
             rows.append([label, "OOM" if case.get("oom") else "error", "-", "-", "-"])
             continue
-        speedup = f"{host['time_s'] / case['time_s']:.2f}x" if host else "-"
+        # Per parameter: a shared case updates processes x num_params in its step.
+        params = case["num_params"] * case.get("processes", 1)
+        speedup = (f"{host['time_s'] / host['num_params'] * params / case['time_s']:.2f}x"
+                   if host else "-")
         over_floor = f"{case['time_s'] / link['time_s']:.2f}x" if link else "-"
         rows.append([label, f"{case['time_s'] * 1e3:.1f} ms", speedup, over_floor,
                      harness.format_bytes(case.get("peak_bytes"))])
     headers = ["method", "step", "vs host CPU", "vs link floor", "device peak"]
     return (f"{record['benchmark']} on {record['device']}, {record['date']}, "
-            f"{cases[0]['num_params']:.1e} params\n" + harness.format_table(headers, rows))
+            f"{cases[0]['num_params']:.1e} params\n"
+            + harness.format_table(headers, rows))
 
 
 if __name__ == "__main__" and "--case" in sys.argv:

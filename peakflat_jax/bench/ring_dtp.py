@@ -49,7 +49,15 @@ def presets() -> dict[str, list[dict]]:
            dict(method="materialized", ring_size=1, tokens=1024, **small),
            dict(method="blockwise", ring_size=1, tokens=1024, token_block=128, **small),
            dict(method="ring", ring_size=1, tokens=1024, vocab_block=2048, **small)]
-    return {"gpu": gpu, "cpu": cpu}
+    # Eight H200s (issue 6): the paper's P = 8 table, tokens per rank.
+    gpu_x8 = []
+    for tokens in (16384, 32768):
+        gpu_x8 += [dict(method="materialized", ring_size=8, tokens=tokens, **PAPER),
+                   dict(method="ring", ring_size=8, tokens=tokens, mode="move_activations",
+                        vocab_block=4096, **PAPER),
+                   dict(method="ring", ring_size=8, tokens=tokens, mode="move_weights",
+                        vocab_block=4096, **PAPER)]
+    return {"gpu": gpu, "gpu-x8": gpu_x8, "cpu": cpu}
 
 
 def blockwise_cross_entropy(hidden, kernel, targets, *, token_block: int):
