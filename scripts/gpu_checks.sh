@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The pending GPU checks and benchmarks, grouped by the machine each needs and sized to one
-# device call (at most 10 minutes). Run from the repository root on the GPU machine:
+# The GPU checks and benchmarks (done ones kept for re-runs), grouped by the machine each needs
+# and sized to one device call (at most 10 minutes). Run from the repository root there:
 #
 #   bash scripts/gpu_checks.sh h200-sco        # nvidia-h200: SCO, half and all boundaries offloaded
 #   bash scripts/gpu_checks.sh h200-sco-plan   # nvidia-h200: XLA's buffer plan of SCO's step
