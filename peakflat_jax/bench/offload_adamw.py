@@ -217,10 +217,11 @@ def _shared_link(case: dict) -> dict:
     results = []
     for worker, (stdout, stderr) in zip(workers, outputs):
         lines = [line for line in stdout.splitlines() if line.startswith("{")]
-        if worker.returncode != 0 or not lines or "error" in json.loads(lines[-1]):
+        result = json.loads(lines[-1]) if lines else None
+        if worker.returncode != 0 or result is None or "error" in result:
             return {"error": f"worker exit {worker.returncode}", "stderr_tail": stderr[-2000:],
-                    "result": lines[-1] if lines else None}
-        results.append(json.loads(lines[-1]))
+                    "result": result}
+        results.append(result)
     start, end = max(r["timed_from"] for r in results), min(r["timed_to"] for r in results)
     window = max(r["timed_to"] for r in results) - min(r["timed_from"] for r in results)
     peaks = [r["peak_bytes"] for r in results]

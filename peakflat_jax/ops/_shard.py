@@ -11,16 +11,22 @@ def varying_axes(a: jax.Array) -> frozenset:
     return getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", frozenset())
 
 
+def varying_over(value: jax.Array, axes) -> jax.Array:
+    """``value`` cast to vary over the mesh axes ``axes`` (a name or names) as well as its own
+    (the type changes, not the values; the cast's transpose is a psum)."""
+    axes = {axes} if isinstance(axes, str) else set(axes)
+    missing = axes - varying_axes(value)
+    return lax.pcast(value, tuple(sorted(missing)), to="varying") if missing else value
+
+
 def varying_like(value: jax.Array, *like: jax.Array) -> jax.Array:
-    """``value`` cast to vary over every mesh axis that any of ``like`` varies over (the type
-    changes, not the values).
+    """``value`` cast to vary over every mesh axis that any of ``like`` varies over.
 
     A ``pallas_call`` inside ``shard_map`` (the Mosaic kernels) returns values typed invariant
     over the manual axes, whatever its operands; a custom VJP whose backward returned such a
     value for a varying input fails to trace.
     """
-    missing = frozenset().union(*map(varying_axes, like)) - varying_axes(value)
-    return lax.pcast(value, tuple(sorted(missing)), to="varying") if missing else value
+    return varying_over(value, frozenset().union(*map(varying_axes, like)))
 
 
 def vary_alike(*arrays):

@@ -25,8 +25,8 @@ jax's transpose rule of ``ragged_all_to_all``. The custom VJPs that now replace 
 then failed to trace on the same GPUs (``ragged_exchange_probe_20261130-090305.json``): the
 collective's result has the type of its output buffer, invariant over the expert axis, so the
 backward's cotangents did not match their varying inputs. Both directions now type their result
-as varying (``_typed_as_exchanged``), and the CPU tests' emulated collective is typed like the
-real one, which reproduced the error. Not yet re-run on a GPU.
+as varying (see the note above ``_dispatch``), and the CPU tests' emulated collective is typed
+like the real one, which reproduced the error. Not yet re-run on a GPU.
 
 Speed: one chunk's round trip at the paper's shape (52,432 rows of 7168 bf16 per device) took
 491.7 ms against 11.0 ms padded (491.5 against 11.1 in the later probe), and 15.7 ms with the
@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from peakflat_jax.ops._shard import varying_axes, varying_like
+from peakflat_jax.ops._shard import varying_like, varying_over
 
 KINDS = ("padded", "ragged")
 # Off: on 2 H200s the ragged form's gradients were wrong and its round trip slower (module doc).
@@ -127,19 +127,25 @@ def dispatch(rows: jax.Array, routes: RaggedRoutes, num_devices: int, axis_name,
              fill=0) -> jax.Array:
     """``[D * S, ...]``: the rows sent to this device, source by source, then ``fill``.
     Linear in ``rows``; its transpose is ``combine`` (a custom VJP: module doc)."""
-    return _dispatch(num_devices, axis_name, fill, _varying_over(rows, axis_name), routes)
+    return _dispatch(num_devices, axis_name, fill, varying_over(rows, axis_name), routes)
 
 
 def combine(processed: jax.Array, routes: RaggedRoutes, num_slots: int,
             axis_name) -> jax.Array:
     """``[S, ...]``: each slot's processed row back at its place; 0 for slots not sent.
     Linear in ``processed``; its transpose is ``dispatch`` with fill 0 (a custom VJP)."""
-    return _combine(num_slots, axis_name, _varying_over(processed, axis_name), routes)
+    return _combine(num_slots, axis_name, varying_over(processed, axis_name), routes)
 
 
 # The two directions are each other's transposes, which these custom VJPs state directly: jax's
 # own transpose rule of ragged_all_to_all gave wrong gradients on 2 H200s (module doc). Rows of
 # the received buffer that no source filled are constants, so they get no cotangent.
+#
+# Types: the custom VJPs take operands that vary over the exchange's axis (the public functions
+# cast them; for an operand that did not, the cast's transpose psums its cotangent), and type
+# their results as varying like the operand, as their values do. ragged_all_to_all gives its
+# result the type of its output buffer, invariant (a fresh constant), and the cotangents then
+# failed to match their varying inputs (2 H200s: "the manual axis types do not match").
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -149,7 +155,7 @@ def _dispatch(num_devices, axis_name, fill, rows, routes):
                            routes.recv_sizes)
     received = RAGGED_ALL_TO_ALL(sorted_rows, output, routes.send_offsets, routes.send_sizes,
                                  routes.landing_offsets, routes.recv_sizes, axis_name=axis_name)
-    return _typed_as_exchanged(received, rows)
+    return varying_like(received, rows)
 
 
 def _dispatch_fwd(num_devices, axis_name, fill, rows, routes):
@@ -170,7 +176,7 @@ def _combine(num_slots, axis_name, processed, routes):
                            routes.send_sizes)
     sorted_out = RAGGED_ALL_TO_ALL(processed, output, routes.recv_offsets, routes.recv_sizes,
                                    routes.home_offsets, routes.send_sizes, axis_name=axis_name)
-    sorted_out = _typed_as_exchanged(sorted_out, processed)
+    sorted_out = varying_like(sorted_out, processed)
     return jnp.zeros_like(sorted_out).at[routes.order].set(sorted_out)
 
 
@@ -184,23 +190,6 @@ def _combine_bwd(num_slots, axis_name, routes, d_slots):
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
-
-
-def _varying_over(x, axis_name):
-    """``x`` typed as varying over the exchange's axis. The custom VJPs take only such operands:
-    their cotangents vary over the axis, and for an operand that did not, the cast's own
-    transpose (a psum) makes the cotangent match."""
-    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-    missing = tuple(axis for axis in axes if axis not in varying_axes(x))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _typed_as_exchanged(result, operand):
-    """``result`` typed as varying like ``operand`` (which varies over the exchange's axis), as
-    its values do. ``ragged_all_to_all`` gives its result the type of its output buffer, which
-    is invariant (a fresh constant): the custom VJPs' cotangents then failed to match their
-    varying inputs (2 H200s: "the manual axis types do not match")."""
-    return varying_like(result, operand)
 
 
 def _fresh_buffer(shape, dtype, fill, tie):
