@@ -8,13 +8,16 @@
 #   bash scripts/gpu_checks.sh h200-kernels    # nvidia-h200: the Mosaic probe (forward blocks)
 #   bash scripts/gpu_checks.sh h200-adamw      # nvidia-h200: OffloadStreamAdamW baselines,
 #                                              #   buckets of 5e8 and 3 slots
-#   bash scripts/gpu_checks.sh x2-moe [TEXT...]  # nvidia-h200-x2: ragged-exchange probe, then
-#                                              #   the MoE cases whose JSON holds any TEXT
-#   bash scripts/gpu_checks.sh x2-moe-profile  # nvidia-h200-x2: EP, LLEP and pipelined at
-#                                              #   32768 under 95%/16, traced: where time goes
+#   bash scripts/gpu_checks.sh x2-moe [TEXT...]  # nvidia-h200-x2: the MoE cases (one per
+#                                              #   method and token count, timed on all five
+#                                              #   profiles) whose JSON holds any TEXT
+#                                              #   (default: 65,536 tokens)
+#   bash scripts/gpu_checks.sh x2-moe-profile  # nvidia-h200-x2: ragged-exchange probe, then EP,
+#                                              #   LLEP and pipelined strided at 32,768, traced on
+#                                              #   the first profile (trace + HLO kept in $OUT)
 #   bash scripts/gpu_checks.sh x8-ring         # nvidia-h200-x8: Ring-DTP at P = 8 (issue 6)
 #   bash scripts/gpu_checks.sh x8-moe [TEXT...]  # nvidia-h200-x8: PipelinedLLEP at E_p = 8, the
-#                                              #   cases whose JSON holds any TEXT (default: 95%/16)
+#                                              #   cases whose JSON holds any TEXT (default: all)
 #   bash scripts/gpu_checks.sh x8-adamw        # nvidia-h200-x8: 8 AdamW streams sharing the host
 #
 # Records go to $OUT when set (the device tool's output folder), else scripts/results.
@@ -41,21 +44,21 @@ case "${1:-}" in
       --only '"slots": 3' --out-dir "$out" ;;
   x2-moe)
     shift
-    timeout 120 python3 scripts/probe_ragged_exchange.py --out-dir "$out"
     only=()
-    for text in "${@:-\"tokens\": 32768, \"profile\": [0.0, 0]}"; do only+=(--only "$text"); done
-    timeout 420 python3 scripts/bench_moe_dispatch.py --preset gpu "${only[@]}" --out-dir "$out" ;;
+    for text in "${@:-\"tokens\": 65536}"; do only+=(--only "$text"); done
+    timeout 560 python3 scripts/bench_moe_dispatch.py --preset gpu "${only[@]}" --out-dir "$out" ;;
   x2-moe-profile)
-    prefix='"tokens": 32768, "profile": [0.95, 16], "method":'
-    timeout 560 python3 scripts/bench_moe_dispatch.py --preset gpu --repeats 3 --trace-steps 2 \
-      --only "$prefix \"ep\"" --only "$prefix \"llep\"" \
-      --only "$prefix \"pipelined\", \"membership\": \"strided\"" --out-dir "$out" ;;
+    timeout 100 python3 scripts/probe_ragged_exchange.py --out-dir "$out"
+    prefix='"tokens": 32768, "profiles": [[0.0, 0], [0.95, 16], [0.8, 16], [0.5, 4], [0.3, 16]],'
+    PEAKFLAT_ARTIFACTS="$out" timeout 440 python3 scripts/bench_moe_dispatch.py --preset gpu \
+      --trace-steps 2 --only "$prefix \"method\": \"ep\"" --only "$prefix \"method\": \"llep\"" \
+      --only "$prefix \"method\": \"pipelined\", \"membership\": \"strided\"" --out-dir "$out" ;;
   x8-ring)
     timeout 560 python3 scripts/bench_ring_dtp.py --preset gpu-x8 --out-dir "$out" ;;
   x8-moe)
     shift
     only=()
-    for text in "${@:-\"profile\": [0.95, 16]}"; do only+=(--only "$text"); done
+    for text in "${@:-\"tokens\": 65536}"; do only+=(--only "$text"); done
     timeout 560 python3 scripts/bench_moe_dispatch.py --preset gpu-x8 "${only[@]}" \
       --out-dir "$out" ;;
   x8-adamw)

@@ -55,3 +55,19 @@ def test_a_case_with_trace_steps_records_a_profile():
     assert "device_profile" not in plain
     # CPU has no device plane: the record says so instead of holding numbers.
     assert "no events" in traced["device_profile"]["error"]
+
+
+def test_artifacts_keep_the_trace_and_the_program(tmp_path, monkeypatch):
+    """With $PEAKFLAT_ARTIFACTS set, a traced case leaves its trace and optimized HLO behind,
+    named by its label, for reading offline."""
+    import tarfile
+
+    fn = jax.jit(lambda a: jnp.tanh(a @ a))
+    a = jnp.ones((32, 32))
+    compiled = fn.lower(a).compile()
+    monkeypatch.setenv("PEAKFLAT_ARTIFACTS", str(tmp_path))
+    harness.trace_fields(compiled, (a,), {"trace_steps": 1, "label": "ep 95%/16"})
+    with tarfile.open(tmp_path / "trace_ep_95_16.tar.gz") as archive:
+        assert sorted(archive.getnames()) == ["program.hlo.txt", "trace.xplane.pb"]
+        program = archive.extractfile("program.hlo.txt").read().decode()
+    assert program == compiled.as_text()

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import collections
 import glob
+import io
+import pathlib
+import tarfile
 import tempfile
 from collections.abc import Callable, Iterable
 
@@ -27,9 +30,12 @@ DEVICE_PLANE_PREFIX = "/device:"
 
 
 def profile_call(fn: Callable, *args, steps: int = 2, top: int = 40,
-                 plane_prefix: str = DEVICE_PLANE_PREFIX) -> dict:
+                 plane_prefix: str = DEVICE_PLANE_PREFIX, keep_as: pathlib.Path | None = None,
+                 hlo_text: str | None = None) -> dict:
     """Traces ``steps`` calls of ``fn(*args)`` (call it once before, to compile) and summarizes
-    the planes whose names start with ``plane_prefix``."""
+    the planes whose names start with ``plane_prefix``. ``keep_as``: also write the trace (and
+    ``hlo_text``, the program's optimized HLO, which names what the trace's ``hlo_op`` tags
+    point at) into this .tar.gz."""
     if steps < 1:
         raise ValueError(f"steps: expected a positive int, got {steps!r}")
     with tempfile.TemporaryDirectory() as directory:
@@ -39,10 +45,23 @@ def profile_call(fn: Callable, *args, steps: int = 2, top: int = 40,
         paths = glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)
         if not paths:
             return {"error": "the profiler wrote no .xplane.pb"}
+        if keep_as is not None:
+            _archive(keep_as, paths[0], hlo_text)
         events = list(_events(ProfileData.from_file(paths[0]), plane_prefix))
     if not events:
         return {"error": f"no events on planes starting with {plane_prefix!r}"}
     return summarize_events(events, steps=steps, top=top)
+
+
+def _archive(path: pathlib.Path, trace: str, hlo_text: str | None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w:gz") as archive:
+        archive.add(trace, arcname="trace.xplane.pb")
+        if hlo_text is not None:
+            data = hlo_text.encode()
+            info = tarfile.TarInfo("program.hlo.txt")
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
 
 
 def _events(data: ProfileData, plane_prefix: str):

@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -43,24 +44,45 @@ def time_call(fn: Callable, *args, warmup: int = 2, repeats: int = 10) -> dict:
 def measure_compiled(compiled, args, devices, case: dict) -> dict:
     """Times a compiled step (warm-up and repeats from ``case``) and reads its memory: the
     fields every benchmark record shares."""
-    timing = time_call(compiled, *args, warmup=case.get("warmup", 1),
-                       repeats=case.get("repeats", 10))
-    plan = memory.compiled_memory(compiled)
-    largest = memory.largest_arrays(compiled, count=1)
-    measured = {
-        "time_s": timing["median_s"], "time_min_s": timing["min_s"],
-        "time_max_s": timing["max_s"], "repeats": timing["repeats"],
-        "peak_bytes": peak_bytes_over(devices),
-        "xla_temp_bytes": plan.temp, "xla_argument_bytes": plan.argument,
-        "xla_output_bytes": plan.output, "xla_host_temp_bytes": plan.host_temp,
-        "largest_array": largest[0][1] if largest else None,
-        "largest_array_elements": largest[0][0] if largest else 0,
-    }
+    timing = time_fields(compiled, args, case)
+    measured = {**timing, "peak_bytes": peak_bytes_over(devices), **plan_fields(compiled)}
     if case.get("trace_steps"):
         # After the timing, so that the profiler does not slow the timed calls.
-        measured["device_profile"] = device_profile.profile_call(compiled, *args,
-                                                                 steps=case["trace_steps"])
+        measured["device_profile"] = trace_fields(compiled, args, case)
     return measured
+
+
+def time_fields(compiled, args, case: dict) -> dict:
+    """The median, min and max seconds of ``compiled(*args)`` with ``case``'s warm-up and
+    repeats."""
+    timing = time_call(compiled, *args, warmup=case.get("warmup", 1),
+                       repeats=case.get("repeats", 10))
+    return {"time_s": timing["median_s"], "time_min_s": timing["min_s"],
+            "time_max_s": timing["max_s"], "repeats": timing["repeats"]}
+
+
+def plan_fields(compiled) -> dict:
+    """XLA's memory plan of a compiled step and its largest array: known before it runs, so
+    also recorded for a step whose buffers do not fit."""
+    plan = memory.compiled_memory(compiled)
+    largest = memory.largest_arrays(compiled, count=1)
+    return {"xla_temp_bytes": plan.temp, "xla_argument_bytes": plan.argument,
+            "xla_output_bytes": plan.output, "xla_host_temp_bytes": plan.host_temp,
+            "largest_array": largest[0][1] if largest else None,
+            "largest_array_elements": largest[0][0] if largest else 0}
+
+
+def trace_fields(compiled, args, case: dict) -> dict:
+    """``device_profile`` of ``case["trace_steps"]`` calls. Where ``$PEAKFLAT_ARTIFACTS`` names
+    a folder, the trace and the optimized HLO are also kept there (one .tar.gz per case, named
+    by ``case["label"]``) for reading offline."""
+    keep = os.environ.get("PEAKFLAT_ARTIFACTS")
+    if not keep:
+        return device_profile.profile_call(compiled, *args, steps=case["trace_steps"])
+    label = re.sub(r"[^A-Za-z0-9_.-]+", "_", case.get("label", "case"))
+    return device_profile.profile_call(compiled, *args, steps=case["trace_steps"],
+                                       keep_as=pathlib.Path(keep) / f"trace_{label}.tar.gz",
+                                       hlo_text=compiled.as_text())
 
 
 def peak_bytes_over(devices) -> int | None:
@@ -92,11 +114,16 @@ def case_main(run_case: Callable[[dict], dict]) -> None:
     try:
         result = run_case(case)
     except Exception as error:  # an OOM is a result, not a crash of the suite
-        message = str(error)
-        result = {"error": type(error).__name__,
-                  "oom": "RESOURCE_EXHAUSTED" in message or "out of memory" in message.lower(),
-                  "message": message[:2000]}
+        result = error_fields(error)
     print(json.dumps({**case, **result, "device": describe_device()}))
+
+
+def error_fields(error: Exception) -> dict:
+    """How a case failed: the exception's type, whether it was an out-of-memory, its message."""
+    message = str(error)
+    return {"error": type(error).__name__,
+            "oom": "RESOURCE_EXHAUSTED" in message or "out of memory" in message.lower(),
+            "message": message[:2000]}
 
 
 def run_suite(module: str, name: str, preset: str, cases: list[dict], *, command: str,

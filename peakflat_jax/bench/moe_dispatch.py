@@ -38,21 +38,22 @@ METHODS = {  # label: pipelined_moe keywords (token_budget filled from the case)
 
 
 def presets() -> dict[str, list[dict]]:
+    """One case per (tokens, method): it compiles one step and times it on every profile (the
+    routing is an argument, and every buffer's shape is fixed at launch, so the profiles share
+    the program and its peak)."""
     def cases(shape, profiles, tokens_list, budget):
+        profiles = [[p.hot_fraction, p.hot_experts] for p in profiles]
         out = []
         for tokens in tokens_list:
-            for profile in profiles:
-                common = dict(shape, tokens=tokens, profile=[profile.hot_fraction,
-                                                             profile.hot_experts])
-                out += [dict(common, method="ep"), dict(common, method="llep"),
-                        dict(common, method="pipelined", membership="strided",
-                             token_budget=budget),
-                        dict(common, method="pipelined", membership="contiguous",
-                             token_budget=budget)]
+            common = dict(shape, tokens=tokens, profiles=profiles)
+            out += [dict(common, method="ep"), dict(common, method="llep"),
+                    dict(common, method="pipelined", membership="strided", token_budget=budget),
+                    dict(common, method="pipelined", membership="contiguous",
+                         token_budget=budget)]
         return out
 
     paper = dict(devices=2, experts=128, top_k=8, hidden=7168, ffn=2048, dtype="bfloat16",
-                 llep_min_tokens=1024, grouped_matmul="mosaic", exchange="padded")
+                 llep_min_tokens=1024, grouped_matmul="mosaic", exchange="padded", repeats=5)
     small = dict(devices=8, experts=32, top_k=4, hidden=64, ffn=32, dtype="float32",
                  llep_min_tokens=64, repeats=3)
     cpu_profiles = [skew.PAPER_PROFILES[i] for i in (0, 1, 3)]
@@ -61,12 +62,17 @@ def presets() -> dict[str, list[dict]]:
             "cpu": cases(small, cpu_profiles, (1024,), 128)}
 
 
+def _route(case: dict, profile, mesh: Mesh) -> jax.Array:
+    """Every rank's expert ids under ``profile`` ([r, h]), sharded over the expert axis."""
+    ids = skew.route(case["tokens"], case["top_k"], case["experts"], skew.SkewProfile(*profile))
+    return jax.device_put(jnp.asarray(np.concatenate([ids] * case["devices"])),
+                          NamedSharding(mesh, P("expert")))
+
+
 def _inputs(case: dict, mesh: Mesh):
     devices, tokens, experts = case["devices"], case["tokens"], case["experts"]
     hidden, ffn, top_k = case["hidden"], case["ffn"], case["top_k"]
     dtype = jnp.dtype(case["dtype"])
-    profile = skew.SkewProfile(*case["profile"])
-    ids = np.concatenate([skew.route(tokens, top_k, experts, profile)] * devices)
     shard = NamedSharding(mesh, P("expert"))
 
     def draw(key):
@@ -79,18 +85,11 @@ def _inputs(case: dict, mesh: Mesh):
         w_down = jax.random.normal(keys[4], (experts, ffn, hidden), dtype) * scale_out
         return x, gates.astype(dtype), w_gate, w_up, w_down
 
-    arrays = jax.jit(draw, out_shardings=(shard,) * 5)(jax.random.key(case.get("seed", 0)))
-    return jax.device_put(jnp.asarray(ids), shard), arrays
+    return jax.jit(draw, out_shardings=(shard,) * 5)(jax.random.key(case.get("seed", 0)))
 
 
-def run_case(case: dict) -> dict:
-    devices = jax.devices()[: case["devices"]]
-    if len(devices) < case["devices"]:
-        return {"error": f"needs {case['devices']} devices, found {len(devices)}"}
-    mesh = Mesh(np.array(devices), ("expert",))
-    # Each case names its grouped matmul and exchange; this process (one case) follows them.
-    grouped_matmul.AUTO_SELECTS_MOSAIC = case.get("grouped_matmul") == "mosaic"
-    expert_exchange.RAGGED_ON_GPU = case.get("exchange") == "ragged"
+def _step(case: dict, mesh: Mesh):
+    """The jitted fwd+bwd of the case's method: (x, ids, gates, weights) -> (loss, grads)."""
     keywords = dict(METHODS[case["method"]], llep_min_tokens=case["llep_min_tokens"])
     if case["method"] == "pipelined":
         keywords.update(token_budget=case["token_budget"], membership=case["membership"],
@@ -99,21 +98,47 @@ def run_case(case: dict) -> dict:
         lambda x, ids, g, wg, wu, wd: pipelined_moe(
             x, ids, g, wg, wu, wd, axis_name="expert", num_experts=case["experts"], **keywords),
         mesh=mesh, in_specs=(P("expert"),) * 6, out_specs=P("expert"))
-    ids, (x, gates, w_gate, w_up, w_down) = _inputs(case, mesh)
 
-    def loss(x, gates, w_gate, w_up, w_down):
+    def loss(x, gates, w_gate, w_up, w_down, ids):
         return jnp.sum(layer(x, ids, gates, w_gate, w_up, w_down).astype(jnp.float32) ** 2)
 
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
-    args = (x, gates, w_gate, w_up, w_down)
-    compiled = step.lower(*args).compile()
-    measured = harness.measure_compiled(compiled, args, devices, case)
-    value, grads = compiled(*args)
-    return {
-        **measured,
-        "loss": float(value),
-        "grad_x_norm": float(jnp.linalg.norm(grads[0].astype(jnp.float32))),
-    }
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+def run_case(case: dict) -> dict:
+    """Compiles the case's step once, then per profile: time, loss and gradient norm. The
+    memory plan is read before anything runs, so a step that does not fit still records the
+    bytes XLA planned for it."""
+    devices = jax.devices()[: case["devices"]]
+    if len(devices) < case["devices"]:
+        return {"error": f"needs {case['devices']} devices, found {len(devices)}"}
+    mesh = Mesh(np.array(devices), ("expert",))
+    # Each case names its grouped matmul and exchange; this process (one case) follows them.
+    grouped_matmul.AUTO_SELECTS_MOSAIC = case.get("grouped_matmul") == "mosaic"
+    expert_exchange.RAGGED_ON_GPU = case.get("exchange") == "ragged"
+    step = _step(case, mesh)
+    arrays = _inputs(case, mesh)
+    first_ids = _route(case, case["profiles"][0], mesh)
+    compiled = step.lower(*arrays, first_ids).compile()
+    result = harness.plan_fields(compiled)
+    result["profile_results"] = []
+    for i, profile in enumerate(case["profiles"]):
+        args = (*arrays, first_ids if i == 0 else _route(case, profile, mesh))
+        try:
+            timing = harness.time_fields(compiled, args, case)
+            value, grads = compiled(*args)
+            measured = {"profile": profile, **timing, "loss": float(value),
+                        "grad_x_norm": float(jnp.linalg.norm(grads[0].astype(jnp.float32)))}
+            if i == 0 and case.get("trace_steps"):
+                label = f"{_label(case)} {skew.SkewProfile(*profile).name} N={case['tokens']}"
+                measured["device_profile"] = harness.trace_fields(
+                    compiled, args, dict(case, label=label))
+        except Exception as error:  # noqa: BLE001  (an OOM is a result; the shapes repeat)
+            result.update(harness.error_fields(error))
+            break
+        result["profile_results"].append(measured)
+    result["peak_bytes"] = harness.peak_bytes_over(devices)
+    return result
 
 
 def _label(case: dict) -> str:
@@ -123,28 +148,53 @@ def _label(case: dict) -> str:
 
 
 def summarize(record: dict) -> str:
-    """Each case's memory and time, with ratios to unchunked LLEP on the same profile."""
-    def key(c):
-        return (c["tokens"], tuple(c["profile"]))
+    """Each case's memory and each profile's time, with ratios to unchunked LLEP at the same
+    tokens (memory) and profile (time); then how far the methods' losses agree."""
+    def planned(case):
+        return case["xla_temp_bytes"] + case["xla_argument_bytes"] + case["xla_output_bytes"]
 
-    baselines = {key(c): c for c in record["cases"] if c["method"] == "llep" and "error" not in c}
-    uses_peak = any(c.get("peak_bytes") for c in record["cases"])
-    memory_key = "peak_bytes" if uses_peak else "xla_temp_bytes"
-    rows = []
+    baselines = {c["tokens"]: c for c in record["cases"]
+                 if c["method"] == "llep" and "xla_temp_bytes" in c}
+    uses_peak = any(c.get("peak_bytes") for c in record["cases"] if "error" not in c)
+    rows, losses = [], {}
     for case in record["cases"]:
-        profile = skew.SkewProfile(*case["profile"]).name
-        if "error" in case:
-            rows.append([case["tokens"], profile, _label(case),
-                         "OOM" if case.get("oom") else "error", "-", "-", "-"])
+        base = baselines.get(case["tokens"])
+        if "xla_temp_bytes" not in case:  # failed before compiling
+            rows.append([case["tokens"], "-", _label(case), case.get("error", "?"), "-", "-",
+                         "-", "-", "-"])
             continue
-        base = baselines.get(key(case))
-        ratio = lambda k: f"{case[k] / base[k]:.3f}x" if base and base.get(k) else "-"  # noqa
-        rows.append([case["tokens"], profile, _label(case), harness.format_bytes(case[memory_key]),
-                     ratio(memory_key), f"{case['time_s'] * 1e3:.1f} ms", ratio("time_s")])
-    headers = ["N/rank", "profile", "method", "peak (allocator)" if uses_peak else
-               "XLA temp (plan)", "vs LLEP", "fwd+bwd", "vs LLEP"]
+        plan = f"{harness.format_bytes(planned(case))}"
+        plan_ratio = f"{planned(case) / planned(base):.3f}x" if base else "-"
+        if "error" in case:
+            peak, peak_ratio = ("OOM" if case.get("oom") else case["error"]), "-"
+        elif uses_peak:
+            peak = harness.format_bytes(case["peak_bytes"])
+            base_ok = base and "error" not in base
+            peak_ratio = f"{case['peak_bytes'] / base['peak_bytes']:.3f}x" if base_ok else "-"
+        else:
+            peak, peak_ratio = "-", "-"
+        base_times = {tuple(p["profile"]): p["time_s"] for p in (base or {}).get(
+            "profile_results", [])}
+        measured = case.get("profile_results") or [{"profile": case["profiles"][0]}]
+        for p in measured:
+            key = (case["tokens"], tuple(p["profile"]))
+            name = skew.SkewProfile(*p["profile"]).name
+            if "time_s" not in p:
+                rows.append([case["tokens"], name, _label(case), plan, plan_ratio, peak,
+                             peak_ratio, "-", "-"])
+                continue
+            losses.setdefault(key, []).append(p["loss"])
+            base_time = base_times.get(tuple(p["profile"]))
+            time_ratio = f"{p['time_s'] / base_time:.3f}x" if base_time else "-"
+            rows.append([case["tokens"], name, _label(case), plan, plan_ratio, peak, peak_ratio,
+                         f"{p['time_s'] * 1e3:.1f} ms", time_ratio])
+    headers = ["N/rank", "profile", "method", "XLA plan (args+temp+out)", "vs LLEP",
+               "peak (allocator)", "vs LLEP", "fwd+bwd", "vs LLEP"]
+    spread = max((max(v) - min(v)) / max(abs(max(v)), 1e-30)
+                 for v in losses.values() if v) if losses else 0.0
     return (f"{record['benchmark']} on {record['device']}, {record['date']}\n"
-            + harness.format_table(headers, rows))
+            + harness.format_table(headers, rows)
+            + f"\nlargest relative spread of one profile's loss over the methods: {spread:.2e}")
 
 
 if __name__ == "__main__" and "--case" in sys.argv:
