@@ -12,9 +12,10 @@
 #                                              #   method and token count, timed on all five
 #                                              #   profiles) whose JSON holds any TEXT
 #                                              #   (default: 65,536 tokens)
-#   bash scripts/gpu_checks.sh x2-moe-profile  # nvidia-h200-x2: ragged-exchange probe, then EP,
-#                                              #   LLEP and pipelined strided at 32,768, traced on
-#                                              #   the first profile (trace + HLO kept in $OUT)
+#   bash scripts/gpu_checks.sh x2-moe-profile  # nvidia-h200-x2: every method at 32,768 tokens,
+#                                              #   traced on the first profile (trace + HLO kept
+#                                              #   in $OUT)
+#   bash scripts/gpu_checks.sh x2-ragged       # nvidia-h200-x2: the ragged-exchange probe
 #   bash scripts/gpu_checks.sh x8-ring         # nvidia-h200-x8: Ring-DTP at P = 8 (issue 6)
 #   bash scripts/gpu_checks.sh x8-moe [TEXT...]  # nvidia-h200-x8: PipelinedLLEP at E_p = 8, the
 #                                              #   cases whose JSON holds any TEXT (default: all)
@@ -48,11 +49,11 @@ case "${1:-}" in
     for text in "${@:-\"tokens\": 65536}"; do only+=(--only "$text"); done
     timeout 560 python3 scripts/bench_moe_dispatch.py --preset gpu "${only[@]}" --out-dir "$out" ;;
   x2-moe-profile)
-    timeout 100 python3 scripts/probe_ragged_exchange.py --out-dir "$out"
     prefix='"tokens": 32768, "profiles": [[0.0, 0], [0.95, 16], [0.8, 16], [0.5, 4], [0.3, 16]],'
-    PEAKFLAT_ARTIFACTS="$out" timeout 440 python3 scripts/bench_moe_dispatch.py --preset gpu \
-      --trace-steps 2 --only "$prefix \"method\": \"ep\"" --only "$prefix \"method\": \"llep\"" \
-      --only "$prefix \"method\": \"pipelined\", \"membership\": \"strided\"" --out-dir "$out" ;;
+    PEAKFLAT_ARTIFACTS="$out" timeout 560 python3 scripts/bench_moe_dispatch.py --preset gpu \
+      --trace-steps 1 --only "$prefix" --out-dir "$out" ;;
+  x2-ragged)
+    timeout 300 python3 scripts/probe_ragged_exchange.py --out-dir "$out" ;;
   x8-ring)
     timeout 560 python3 scripts/bench_ring_dtp.py --preset gpu-x8 --out-dir "$out" ;;
   x8-moe)
@@ -66,6 +67,6 @@ case "${1:-}" in
   *)
     echo "usage: bash scripts/gpu_checks.sh h200-sco | h200-sco-plan | h200-kernels |" \
       "h200-adamw |" \
-      "x2-moe [TEXT...] | x2-moe-profile | x8-ring | x8-moe [TEXT...] | x8-adamw" >&2
+      "x2-moe [TEXT...] | x2-moe-profile | x2-ragged | x8-ring | x8-moe [TEXT...] | x8-adamw" >&2
     exit 2 ;;
 esac

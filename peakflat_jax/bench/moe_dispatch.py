@@ -126,9 +126,7 @@ def run_case(case: dict) -> dict:
         args = (*arrays, first_ids if i == 0 else _route(case, profile, mesh))
         try:
             timing = harness.time_fields(compiled, args, case)
-            value, grads = compiled(*args)
-            measured = {"profile": profile, **timing, "loss": float(value),
-                        "grad_x_norm": float(jnp.linalg.norm(grads[0].astype(jnp.float32)))}
+            measured = {"profile": profile, **timing, **_loss_and_grad_norm(compiled, args)}
             if i == 0 and case.get("trace_steps"):
                 label = f"{_label(case)} {skew.SkewProfile(*profile).name} N={case['tokens']}"
                 measured["device_profile"] = harness.trace_fields(
@@ -139,6 +137,14 @@ def run_case(case: dict) -> dict:
         result["profile_results"].append(measured)
     result["peak_bytes"] = harness.peak_bytes_over(devices)
     return result
+
+
+def _loss_and_grad_norm(compiled, args) -> dict:
+    """The step's loss and |dL/dx|, with its outputs freed on return (held into the next
+    profile's timing, they would add their size to its peak)."""
+    value, grads = compiled(*args)
+    return {"loss": float(value),
+            "grad_x_norm": float(jnp.linalg.norm(grads[0].astype(jnp.float32)))}
 
 
 def _label(case: dict) -> str:

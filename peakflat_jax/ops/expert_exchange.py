@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from peakflat_jax.ops import row_permutation
 from peakflat_jax.ops._shard import varying_like, varying_over
 
 KINDS = ("padded", "ragged")
@@ -71,16 +72,30 @@ def bucket_positions(destination: jax.Array, num_devices: int) -> jax.Array:
 def pack(rows: jax.Array, destination: jax.Array, positions: jax.Array, num_devices: int,
          fill=0) -> jax.Array:
     """``[D, S, ...]`` buckets holding ``rows [S, ...]``; slots with destination D are left out
-    and empty places hold ``fill``."""
-    buckets = jnp.full((num_devices, *rows.shape), fill, rows.dtype)
-    # (destination, position) pairs are distinct, so the scatter is a permutation: declaring it
-    # lets JAX transpose it (backward sends cotangents along the same routes).
-    return buckets.at[destination, positions].set(rows, mode="drop", unique_indices=True)
+    and empty places hold ``fill``. A gather both ways (``row_permutation``); its transpose is
+    ``unpack``."""
+    bucket_row, source_row = _bucket_maps(destination, positions, num_devices)
+    buckets = row_permutation.gather_rows(rows, source_row, bucket_row, fill)
+    return buckets.reshape(num_devices, *rows.shape)
 
 
 def unpack(buckets: jax.Array, destination: jax.Array, positions: jax.Array) -> jax.Array:
-    """The rows ``[S, ...]`` at each slot's place in ``buckets [D, S, ...]``; 0 where not sent."""
-    return buckets.at[destination, positions].get(mode="fill", fill_value=0)
+    """The rows ``[S, ...]`` at each slot's place in ``buckets [D, S, ...]``; 0 where not sent.
+    The transpose of ``pack`` (a gather both ways)."""
+    num_devices = buckets.shape[0]
+    bucket_row, source_row = _bucket_maps(destination, positions, num_devices)
+    return row_permutation.gather_rows(buckets.reshape(-1, *buckets.shape[2:]), bucket_row,
+                                       source_row)
+
+
+def _bucket_maps(destination, positions, num_devices):
+    """Each slot's row in the flattened buckets ``[S]`` (D * S: not sent) and each bucket row's
+    slot ``[D * S]`` (S: empty)."""
+    num_slots = destination.shape[0]
+    sent = destination < num_devices
+    bucket_row = jnp.where(sent, destination * num_slots + positions, num_devices * num_slots)
+    bucket_row = bucket_row.astype(jnp.int32)
+    return bucket_row, row_permutation.inverse_map(bucket_row, num_devices * num_slots)
 
 
 def exchange(buckets: jax.Array, axis_name) -> jax.Array:

@@ -68,7 +68,7 @@ import numpy as np
 from jax import lax
 
 from peakflat_jax._validate import as_int, as_positive_float
-from peakflat_jax.ops import expert_exchange, grouped_matmul, llep_plan
+from peakflat_jax.ops import expert_exchange, grouped_matmul, llep_plan, row_permutation
 from peakflat_jax.ops._shard import vary_alike
 
 MEMBERSHIPS = ("strided", "contiguous")
@@ -278,10 +278,13 @@ def _migrate_weights(layer: _Layer, foreign: jax.Array, weights):
     for shift in range(1, layer.num_devices):
         wanted = foreign[(me + shift) % layer.num_devices]  # [max_foreign] expert ids
         mine = (wanted >= 0) & (wanted // local == me)
-        index = jnp.where(mine, wanted % local, 0)
+        # A device hosts an expert at most once, so the picks are one-to-one: a gather both
+        # ways (the slots not picked read an out-of-range row, zeros).
+        index = jnp.where(mine, wanted % local, local).astype(jnp.int32)
+        inverse = row_permutation.inverse_map(index, local)
         perm = [(d, (d + shift) % layer.num_devices) for d in range(layer.num_devices)]
         for i, w in enumerate(weights):
-            outgoing = jnp.where(mine.reshape(-1, *([1] * (w.ndim - 1))), w[index], 0)
+            outgoing = row_permutation.gather_rows(w, index, inverse)
             received[i] = received[i] + lax.ppermute(outgoing, layer.axis_name, perm)
     return tuple(jnp.concatenate([w, r]) for w, r in zip(weights, received))
 
@@ -301,7 +304,7 @@ def _chunk_layout(layer: _Layer) -> tuple[np.ndarray, np.ndarray]:
     else:
         tokens = slots
     tokens = np.where(tokens < num_tokens, tokens, num_tokens).reshape(num_chunks, chunk_tokens)
-    place = np.zeros(num_tokens, np.int64)
+    place = np.zeros(num_tokens, np.int32)
     flat = tokens.reshape(-1)
     place[flat[flat < num_tokens]] = np.nonzero(flat < num_tokens)[0]
     return tokens, place
@@ -311,19 +314,20 @@ def _expert_ffn(rows, group, weights, num_groups: int):
     """SwiGLU of each row with its group's expert: rows [M, H], group [M] in [0, G] (G: none)."""
     w_gate, w_up, w_down = weights
     num_rows = rows.shape[0]
-    order = jnp.argsort(group, stable=True)
+    order = jnp.argsort(group, stable=True).astype(jnp.int32)
     sizes = jnp.zeros(num_groups + 1, jnp.int32).at[group].add(1)[:num_groups]
     # Sorted into a buffer whose length the grouped matmul takes without a padded copy; the
     # extra rows (index num_rows: out of range) are zeros past every group.
     alignment = grouped_matmul.row_alignment()
     extra = -num_rows % alignment
-    gather = jnp.concatenate([order, jnp.full(extra, num_rows, order.dtype)]) if extra else order
-    sorted_rows = rows.at[gather].get(mode="fill", fill_value=0)
+    if extra:
+        order = jnp.concatenate([order, jnp.full(extra, num_rows, order.dtype)])
+    place = row_permutation.inverse_map(order, num_rows)  # each row's place in sorted order
+    sorted_rows = row_permutation.gather_rows(rows, order, place)
     hidden = jax.nn.silu(grouped_matmul.grouped_matmul(sorted_rows, w_gate, sizes)) * (
         grouped_matmul.grouped_matmul(sorted_rows, w_up, sizes))
     out = grouped_matmul.grouped_matmul(hidden.astype(rows.dtype), w_down, sizes)
-    out = out[:num_rows].astype(rows.dtype)
-    return jnp.zeros_like(out).at[order].set(out)
+    return row_permutation.gather_rows(out.astype(rows.dtype), place, order)
 
 
 def _chunk_routes(layer: _Layer, destination):
@@ -430,8 +434,8 @@ def _run_chunks_bwd(layer, residuals, d_outputs):
     weights, *chunks = residuals
     x_chunks, gate_chunks, destination_chunks, _ = chunks
 
-    def chunk_grads(i, sent, d_weights):
-        """Chunk i recomputed from its dispatch, and differentiated; dW accumulates in fp32."""
+    def chunk_grads(i, sent):
+        """Chunk i recomputed from its dispatch, and differentiated: (dW, dx, d_gates)."""
         received, received_group, routes = sent
         destination = destination_chunks[i]
 
@@ -441,23 +445,34 @@ def _run_chunks_bwd(layer, residuals, d_outputs):
         _, vjp = jax.vjp(process, weights, received, gate_chunks[i])
         d_w, d_received, d_gates = vjp(d_outputs[i])
         d_x = _tokens_cotangent(layer, d_received, destination, routes, x_chunks.dtype)
-        d_weights = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), d_weights, d_w)
-        return d_weights, d_x, d_gates
+        return d_w, d_x, d_gates
 
-    def step(carry, i):  # i = K-1, ..., 1
+    def accumulate(total, d_w):  # the chunks' weight gradients sum in fp32
+        return jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), total, d_w)
+
+    def step(carry, i):  # i = K-2, ..., 1
         sent, d_weights = carry
         upcoming = _dispatch(layer, chunks, i - 1)  # issued before this chunk's recompute
-        d_weights, d_x, d_gates = chunk_grads(i, sent, d_weights)
-        return (upcoming, d_weights), (d_x, d_gates)
+        d_w, d_x, d_gates = chunk_grads(i, sent)
+        return (upcoming, accumulate(d_weights, d_w)), (d_x, d_gates)
 
-    zeros = jax.tree.map(lambda w: jnp.zeros_like(w, jnp.float32), weights)
     last = layer.num_chunks - 1
+    sent = _dispatch(layer, chunks, last)
+    if last == 0:
+        d_weights, d_x, d_gates = chunk_grads(0, sent)
+        return d_weights, d_x[None], d_gates[None], None, None
+    # The last chunk starts the sum (no zero-filled accumulator to write and add: one pass over
+    # the G experts' fp32 gradients fewer).
+    upcoming = _dispatch(layer, chunks, last - 1)
+    d_w, d_x_last, d_gates_last = chunk_grads(last, sent)
+    d_weights = jax.tree.map(lambda g: g.astype(jnp.float32), d_w)
     (sent, d_weights), (d_x, d_gates) = lax.scan(
-        step, (_dispatch(layer, chunks, last), zeros), jnp.arange(1, last + 1), reverse=True)
-    d_weights, d_x0, d_gates0 = chunk_grads(0, sent, d_weights)
-    d_weights = jax.tree.map(lambda g, w: g.astype(w.dtype), d_weights, weights)
-    return (d_weights, jnp.concatenate([d_x0[None], d_x]),
-            jnp.concatenate([d_gates0[None], d_gates]), None, None)
+        step, (upcoming, d_weights), jnp.arange(1, last), reverse=True)
+    d_w, d_x0, d_gates0 = chunk_grads(0, sent)
+    d_weights = jax.tree.map(lambda g, w: g.astype(w.dtype), accumulate(d_weights, d_w),
+                             weights)
+    return (d_weights, jnp.concatenate([d_x0[None], d_x, d_x_last[None]]),
+            jnp.concatenate([d_gates0[None], d_gates, d_gates_last[None]]), None, None)
 
 
 _run_chunks.defvjp(_run_chunks_fwd, _run_chunks_bwd)
@@ -467,10 +482,15 @@ def _pipelined_moe(layer: _Layer, x, expert_ids, gates, w_gate, w_up, w_down):
     routes = _route_slots(layer, expert_ids)
     weights = _migrate_weights(layer, routes.foreign, (w_gate, w_up, w_down))
     tokens, place = _chunk_layout(layer)
-    padded = lambda a, fill: jnp.concatenate(  # noqa: E731  (row N: the padding token)
-        [a, jnp.full((1, *a.shape[1:]), fill, a.dtype)])
-    y_chunks = _run_chunks(layer, weights, padded(x, 0)[tokens], padded(gates, 0)[tokens],
-                           padded(routes.destination, layer.num_devices)[tokens],
-                           padded(routes.group, layer.num_groups)[tokens])
-    y = y_chunks.reshape(-1, x.shape[1])[place]
+    tokens, place = jnp.asarray(tokens.reshape(-1), jnp.int32), jnp.asarray(place, jnp.int32)
+    num_chunks = layer.num_chunks
+
+    def chunked(a, fill):  # [K, c, ...]; token N (out of range) pads the last chunk
+        return row_permutation.gather_rows(a, tokens, place, fill).reshape(
+            num_chunks, -1, *a.shape[1:])
+
+    y_chunks = _run_chunks(layer, weights, chunked(x, 0), chunked(gates, 0),
+                           chunked(routes.destination, layer.num_devices),
+                           chunked(routes.group, layer.num_groups))
+    y = row_permutation.gather_rows(y_chunks.reshape(-1, x.shape[1]), place, tokens)
     return jnp.where(routes.invalid_token[:, None], jnp.nan, y).astype(x.dtype)

@@ -1,0 +1,69 @@
+"""Moving rows along a one-to-one map, as a gather both ways.
+
+The MoE layer moves whole rows (7168 bf16 values each) between orders several times per chunk:
+into expert order, out of it, into send buckets, back home. Written as scatters
+(``zeros.at[order].set(rows)``), each one costs a pass that fills the output, the scatter, and
+under autodiff a mask of the output's size. Its transpose is a scatter-add as well. On 2 H200s
+the layer's scatters were the largest kernels after the grouped matmuls: 140 ms of a 718 ms step
+(``scripts/results/moe_dispatch_gpu_20261130-105150.json``, traced). A one-to-one map is a gather
+whose transpose is another gather, by the inverse map; ``gather_rows`` states that as a custom
+VJP, so neither direction scatters rows.
+
+    y = gather_rows(x, index, inverse, fill)
+
+* ``y[j] = x[index[j]]``, or ``fill`` where ``index[j]`` is outside ``[0, len(x))``;
+* the caller promises that ``index`` is one-to-one on its in-range entries and that
+  ``inverse[i]`` is the j with ``index[j] == i``, or out of range where no j takes row i. Then
+  the cotangent of x is ``dy[inverse]`` (0 where out of range). The promise is not checked (the
+  maps are traced); the tests check every map the layer builds against autodiff of the scatter.
+
+The index maps themselves are built with integer scatters over the rows' positions: one int32
+per row, not one row.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from peakflat_jax.ops._shard import varying_like
+
+
+def gather_rows(x: jax.Array, index: jax.Array, inverse: jax.Array, fill=0) -> jax.Array:
+    """``[len(index), ...]``: rows of ``x`` picked by the one-to-one ``index`` (module doc)."""
+    if not jnp.issubdtype(x.dtype, jnp.inexact):  # no cotangent to carry
+        return _take(x, index, fill)
+    # Inside shard_map, x must vary like the maps: the custom VJP's cotangent for x varies like
+    # them (for rows replicated over an axis, the cast's transpose adds the psum).
+    return _gather_rows(fill, varying_like(x, index, inverse), index, inverse)
+
+
+def inverse_map(index: jax.Array, num_rows: int) -> jax.Array:
+    """``[num_rows]``: for each row i of the source, the j with ``index[j] == i``, or
+    ``len(index)`` (out of range) where none; ``index`` one-to-one on its in-range entries."""
+    positions = jnp.arange(index.shape[0], dtype=jnp.int32)
+    return jnp.full(num_rows, index.shape[0], jnp.int32).at[index].set(positions, mode="drop")
+
+
+def _take(rows, index, fill):
+    return rows.at[index].get(mode="fill", fill_value=fill)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gather_rows(fill, x, index, inverse):
+    del inverse
+    return _take(x, index, fill)
+
+
+def _gather_rows_fwd(fill, x, index, inverse):
+    return _take(x, index, fill), inverse
+
+
+def _gather_rows_bwd(fill, inverse, d_y):
+    del fill  # the filled rows are constants: no cotangent flows to x from them
+    return _take(d_y, inverse, 0), None, None
+
+
+_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
