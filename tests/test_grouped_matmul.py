@@ -259,3 +259,27 @@ def test_dispatch_on_a_hopper(rng, monkeypatch):
     with pytest.raises(ValueError, match=r"implementation='mosaic'\) cannot run.*dtype"):
         gm.grouped_matmul(x32, w, sizes, implementation="mosaic")
     assert len(built) == 1
+
+
+@pytest.mark.parametrize("sizes", [(100, 0, 20, 8), (60, 0, 100, 40), (0, 0, 0, 0), (0, 256, 0, 0)])
+def test_rows_in_two_parts_equal_one_call(rng, sizes):
+    """With head_rows, the forward and dx kernels run on the first 128 rows and on the rest only
+    when a group reaches past them; values and gradients equal the one-call rule's, both when
+    the rest runs (groups past row 128) and when it is skipped."""
+    x, w, sizes, ct = draw(rng, sizes, 256)
+    calls = []
+
+    def counted(kernel):
+        def call(*operands):
+            calls.append(operands[0].shape[0])
+            return kernel(*operands)
+        return call
+
+    kernels = gm.GroupedMatmulKernels(forward=counted(ref_forward),
+                                      input_grad=counted(ref_input_grad),
+                                      weight_grad=ref_weight_grad)
+    split = value_and_grads(jax.jit(gm.build_grouped_matmul(kernels, 128)), x, w, sizes, ct)
+    whole = value_and_grads(jax.jit(gm.build_grouped_matmul(REF_KERNELS)), x, w, sizes, ct)
+    for a, b in zip(split, whole):
+        np.testing.assert_array_equal(a, b)
+    assert sorted(set(calls)) == [128]  # each kernel traced on both halves, never on all rows

@@ -404,23 +404,27 @@ def test_next_dispatch_is_independent_of_this_chunks_matmuls(rng):
         assert "ragged_dot_general" not in carried and "dot_general" not in carried
 
 
-def test_mosaic_wiring_with_reference_kernels(rng, monkeypatch):
+@pytest.mark.parametrize("tokens,token_budget,splits", [(12, 5, False), (100, None, True)])
+def test_mosaic_wiring_with_reference_kernels(rng, monkeypatch, tokens, token_budget, splits):
     """With the Hopper check passed and the Mosaic kernels replaced by reference ones (which
     write garbage past the groups, as the real forward kernel may, and are typed invariant over
     the mesh axes, as a pallas_call is), the MoE sorts its rows into an aligned buffer and
-    matches the float64 reference at bf16 rounding."""
+    matches the float64 reference at bf16 rounding. With 100 tokens a chunk's buffer (D * k * c
+    = 400 rows, 512 aligned) is larger than the rows expected (1.3 * k * c = 260, 384 aligned),
+    so the forward and dx kernels run in two parts."""
     from test_grouped_matmul import PALLAS_TYPED_REF_KERNELS
 
     from peakflat_jax.ops import grouped_matmul as gm
 
-    aligned_rows = []
+    aligned_rows, head_rows_seen = [], set()
     monkeypatch.setattr(gm, "AUTO_SELECTS_MOSAIC", True)
     monkeypatch.setattr(gm, "hopper_gpu_reason", lambda: None)
     monkeypatch.setattr(gm, "mosaic_kernels", lambda configs: PALLAS_TYPED_REF_KERNELS)
     real_build = gm.build_grouped_matmul
 
-    def build(kernels):
-        fn = real_build(kernels)
+    def build(kernels, head_rows=None):
+        head_rows_seen.add(head_rows)
+        fn = real_build(kernels, head_rows)
 
         def called(lhs, rhs, sizes):
             aligned_rows.append(lhs.shape[0])
@@ -430,14 +434,15 @@ def test_mosaic_wiring_with_reference_kernels(rng, monkeypatch):
 
     monkeypatch.setattr(gm, "build_grouped_matmul", build)
     mesh = make_mesh(("expert", 2))
-    ids, arrays = draw_case(rng, devices=2, experts=4, tokens=12, top_k=2, hidden=128, ffn=128,
-                            profile=skew.SkewProfile(0.8, 1))
+    ids, arrays = draw_case(rng, devices=2, experts=4, tokens=tokens, top_k=2, hidden=128,
+                            ffn=128, profile=skew.SkewProfile(0.8, 1))
     bf16 = {k: v.astype(jnp.bfloat16) for k, v in arrays.items()}
-    fn = moe_fn(mesh, 4, token_budget=5, llep_min_tokens=2)
+    fn = moe_fn(mesh, 4, token_budget=token_budget, llep_min_tokens=2)
     cotangent = jnp.asarray(rng.standard_normal(arrays["x"].shape), jnp.float32)
     y, grads = jax.jit(lambda a: value_and_grads(fn, ids, a, cotangent.astype(jnp.bfloat16)))(
         bf16)
     assert aligned_rows and all(rows % gm.ROW_ALIGNMENT == 0 for rows in aligned_rows)
+    assert head_rows_seen == ({384} if splits else {None})
     with jax.enable_x64(True):
         as64 = {k: jnp.asarray(np.asarray(v, np.float64)) for k, v in bf16.items()}
         ref_y, ref_grads = value_and_grads(reference.mixture_of_experts, ids, as64,

@@ -140,12 +140,18 @@ class GroupedMatmulKernels:
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-                   implementation: str | None = None) -> jax.Array:
+                   implementation: str | None = None,
+                   expected_rows: int | None = None) -> jax.Array:
     """``[M, Nout]`` fp32 products of row groups with their matrices (see module doc).
 
     ``implementation``: ``"xla"`` (``lax.ragged_dot``), ``"mosaic"`` (the Hopper kernels; raises
     where they cannot run) or None (Mosaic where it can run, else XLA; XLA everywhere when
     ``AUTO_SELECTS_MOSAIC`` is off).
+
+    ``expected_rows``: how many rows the groups usually fill, where M is a worst case (a
+    receive buffer). The Mosaic forward and dx kernels then run on the first
+    ``expected_rows`` (rounded up to 128) rows, and on the rest only when the groups reach
+    past them (module doc, "Rows past the groups"). Same result either way.
     """
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, "
@@ -159,7 +165,11 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     aligned = -(-rows // ROW_ALIGNMENT) * ROW_ALIGNMENT
     configs = mosaic_block_configs(aligned, lhs.shape[1], rhs.shape[2], lhs.dtype, rhs.dtype)
     if platform_reason is None and isinstance(configs, MosaicConfigs):
-        mosaic = build_grouped_matmul(mosaic_kernels(configs))
+        head_rows = None
+        if expected_rows is not None:
+            head_rows = max(1, -(-int(expected_rows) // ROW_ALIGNMENT)) * ROW_ALIGNMENT
+            head_rows = head_rows if head_rows < aligned else None
+        mosaic = build_grouped_matmul(mosaic_kernels(configs), head_rows)
         if aligned == rows:
             return mosaic(lhs, rhs, group_sizes)
         # Zero rows past M lie past sum(group_sizes): padding, as the contract already has.
@@ -292,16 +302,21 @@ def mosaic_kernels(configs: MosaicConfigs) -> GroupedMatmulKernels:
 
 
 @functools.lru_cache(maxsize=None)
-def build_grouped_matmul(kernels: GroupedMatmulKernels) -> Callable:
+def build_grouped_matmul(kernels: GroupedMatmulKernels,
+                         head_rows: int | None = None) -> Callable:
     """``f(lhs, rhs, group_sizes int32) -> [M, N] fp32`` with a custom VJP from ``kernels``:
     the output and dx masked to zero past sum(group_sizes), dy zeroed there before the backward
-    kernels, dx and dW in the dtypes of lhs and rhs, no gradient for group_sizes."""
+    kernels, dx and dW in the dtypes of lhs and rhs, no gradient for group_sizes. With
+    ``head_rows`` (a multiple of 128 below M), the forward and dx kernels run on rows
+    ``[head_rows, M)`` only when the groups reach there (``_rows_in_two_parts``)."""
+    forward_kernel = _rows_in_two_parts(kernels.forward, head_rows)
+    input_grad_kernel = _rows_in_two_parts(kernels.input_grad, head_rows)
 
     def valid_rows(m, group_sizes):
         return (jnp.arange(m, dtype=jnp.int32) < jnp.sum(group_sizes))[:, None]
 
     def forward(lhs, rhs, group_sizes):
-        out = varying_like(kernels.forward(lhs, rhs, group_sizes), lhs, rhs, group_sizes)
+        out = varying_like(forward_kernel(lhs, rhs, group_sizes), lhs, rhs, group_sizes)
         # A select, not a multiply: the unwritten rows may hold NaN.
         return jnp.where(valid_rows(lhs.shape[0], group_sizes), out.astype(jnp.float32), 0.0)
 
@@ -318,10 +333,37 @@ def build_grouped_matmul(kernels: GroupedMatmulKernels) -> Callable:
         # The kernels take one dtype: dy is rounded to the inputs' dtype, with its padded rows
         # zeroed so that the weight-gradient kernel's partial last block adds nothing.
         dy = jnp.where(valid, d_out, 0.0).astype(lhs.dtype)
-        dx = varying_like(kernels.input_grad(dy, rhs, group_sizes), lhs)
+        dx = varying_like(input_grad_kernel(dy, rhs, group_sizes), lhs)
         dx = jnp.where(valid, dx, 0.0).astype(lhs.dtype)
         dw = varying_like(kernels.weight_grad(lhs, dy, group_sizes), rhs).astype(rhs.dtype)
         return dx, dw, None
 
     grouped.defvjp(grouped_fwd, grouped_bwd)
     return grouped
+
+
+def _rows_in_two_parts(kernel: Callable, head_rows: int | None) -> Callable:
+    """``kernel(a [M, .], b, group_sizes) -> [M, n]``, run as two calls: on rows
+    ``[0, head_rows)`` always, and on ``[head_rows, M)`` only when some group reaches past
+    ``head_rows`` (a ``lax.cond``; otherwise those rows are zeros, which the contract allows:
+    they lie past the groups). Each call gets the group sizes clipped to its rows, so the two
+    results end to end equal one call's."""
+    if head_rows is None:
+        return kernel
+
+    def call(a, b, group_sizes):
+        if head_rows >= a.shape[0]:
+            return kernel(a, b, group_sizes)
+        ends = jnp.cumsum(group_sizes)
+        head_sizes = jnp.minimum(ends, head_rows) - jnp.minimum(ends - group_sizes, head_rows)
+        tail_sizes = group_sizes - head_sizes
+        # Typed like the operands (a Pallas call's result is typed invariant): the cond's
+        # branches and the two parts must agree.
+        head = varying_like(kernel(a[:head_rows], b, head_sizes), a, b, group_sizes)
+        tail_shape = (a.shape[0] - head_rows, head.shape[1])
+        tail = lax.cond(jnp.sum(tail_sizes) > 0,
+                        lambda: varying_like(kernel(a[head_rows:], b, tail_sizes), head),
+                        lambda: varying_like(jnp.zeros(tail_shape, head.dtype), head))
+        return jnp.concatenate([head, tail])
+
+    return call

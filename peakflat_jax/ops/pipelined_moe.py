@@ -105,6 +105,15 @@ class _Layer:
     def chunk_tokens(self) -> int:
         return math.ceil(self.num_tokens / self.num_chunks)
 
+    @property
+    def expected_rows(self) -> int:
+        """Rows a device usually receives per chunk: a source's k * c slots (the mean), times
+        the most the plan lets a device exceed it by: below the gate's lambda plain EP runs, and
+        above it the plan fills devices to alpha times the mean. The buffer holds D times the
+        mean, for any routing; the grouped matmul skips its rows past this many when empty."""
+        return math.ceil(max(self.llep_threshold, self.llep_capacity) * self.top_k
+                         * self.chunk_tokens)
+
 
 def pipelined_moe(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_gate: jax.Array,
                   w_up: jax.Array, w_down: jax.Array, *, axis_name: Any, num_experts: int,
@@ -310,8 +319,9 @@ def _chunk_layout(layer: _Layer) -> tuple[np.ndarray, np.ndarray]:
     return tokens, place
 
 
-def _expert_ffn(rows, group, weights, num_groups: int):
-    """SwiGLU of each row with its group's expert: rows [M, H], group [M] in [0, G] (G: none)."""
+def _expert_ffn(rows, group, weights, num_groups: int, expected_rows: int):
+    """SwiGLU of each row with its group's expert: rows [M, H], group [M] in [0, G] (G: none);
+    ``expected_rows``: how many usually have a group (``_Layer.expected_rows``)."""
     w_gate, w_up, w_down = weights
     num_rows = rows.shape[0]
     order = jnp.argsort(group, stable=True).astype(jnp.int32)
@@ -324,9 +334,10 @@ def _expert_ffn(rows, group, weights, num_groups: int):
         order = jnp.concatenate([order, jnp.full(extra, num_rows, order.dtype)])
     place = row_permutation.inverse_map(order, num_rows)  # each row's place in sorted order
     sorted_rows = row_permutation.gather_rows(rows, order, place)
-    hidden = jax.nn.silu(grouped_matmul.grouped_matmul(sorted_rows, w_gate, sizes)) * (
-        grouped_matmul.grouped_matmul(sorted_rows, w_up, sizes))
-    out = grouped_matmul.grouped_matmul(hidden.astype(rows.dtype), w_down, sizes)
+    matmul = functools.partial(grouped_matmul.grouped_matmul, group_sizes=sizes,
+                               expected_rows=expected_rows)
+    hidden = jax.nn.silu(matmul(sorted_rows, w_gate)) * matmul(sorted_rows, w_up)
+    out = matmul(hidden.astype(rows.dtype), w_down)
     return row_permutation.gather_rows(out.astype(rows.dtype), place, order)
 
 
@@ -391,7 +402,8 @@ def _dispatch(layer: _Layer, chunks, i):
 def _process(layer: _Layer, weights, received, received_group, destination, routes,
              gates_chunk):
     """A dispatched chunk's grouped SwiGLU, combine back home, and gate-weighted sum: [c, H]."""
-    processed = _expert_ffn(received, received_group, weights, layer.num_groups)
+    processed = _expert_ffn(received, received_group, weights, layer.num_groups,
+                            layer.expected_rows)
     slot_out = _return(layer, processed, destination, routes)
     slot_out = slot_out.reshape(-1, layer.top_k, received.shape[1]).astype(jnp.float32)
     combined = jnp.einsum("ck,ckh->ch", gates_chunk.astype(jnp.float32), slot_out)
