@@ -16,21 +16,20 @@ land. ``dispatch`` and ``combine`` are each other's transposes, stated as custom
 backward is the same two ragged all-to-alls and keeps the same bound.
 
 Status: the ragged form is off (``RAGGED_ON_GPU``); ``exchange_kind()`` returns "padded"
-everywhere. On 2 H200s (``scripts/probe_ragged_exchange.py``, records
-``scripts/results/ragged_exchange_probe_20261130-*.json``), through ``pipelined_moe`` under
-skew, its forward matched the padded form (loss to 2e-7) but the gradients of x and the expert
-weights did not (relative difference ~1, with and without XLA's
-``--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer``): the backward went through
-jax's transpose rule of ``ragged_all_to_all``. The custom VJPs that now replace that rule
-then failed to trace on the same GPUs (``ragged_exchange_probe_20261130-090305.json``): the
-collective's result has the type of its output buffer, invariant over the expert axis, so the
-backward's cotangents did not match their varying inputs. Both directions now type their result
-as varying (see the note above ``_dispatch``), and the CPU tests' emulated collective is typed
-like the real one, which reproduced the error. Not yet re-run on a GPU.
+everywhere. It is exact but slow on 2 H200s (``scripts/probe_ragged_exchange.py``, records
+``scripts/results/ragged_exchange_probe_20261130-*.json``). Through ``pipelined_moe`` under skew,
+its forward first matched the padded form but its gradients did not (relative difference ~1):
+the backward went through jax's transpose rule of ``ragged_all_to_all``. The custom VJPs that
+replaced that rule then failed to trace (``-090305.json``): the collective's result has the type
+of its output buffer, invariant over the expert axis. With both directions typed as varying (see
+the note above ``_dispatch``; the CPU tests' emulated collective is typed like the real one), the
+re-run at commit 70e20c6 (``-105050.json``) matched the padded form: loss to 2e-7, gates to 4e-7,
+x and the expert weights exactly.
 
 Speed: one chunk's round trip at the paper's shape (52,432 rows of 7168 bf16 per device) took
-491.7 ms against 11.0 ms padded (491.5 against 11.1 in the later probe), and 15.7 ms with the
-decomposer, whose plan then held 6.0 GB against the padded form's 3.0 GB.
+473.3 ms against 11.0 ms padded (``-105050.json``; 491.7 and 491.5 ms in earlier probes), and
+15.7 ms with XLA's ragged-all-to-all decomposer, whose plan then held 6.0 GB against the padded
+form's 3.0 GB.
 
 On CPU its routing is tested against the padded form with ``emulated_ragged_all_to_all``, a
 stand-in with ``lax.ragged_all_to_all``'s semantics built from an all-gather (tests only: it
@@ -52,7 +51,7 @@ from peakflat_jax.ops import row_permutation
 from peakflat_jax.ops._shard import varying_like, varying_over
 
 KINDS = ("padded", "ragged")
-# Off: on 2 H200s the ragged form's gradients were wrong and its round trip slower (module doc).
+# Off: on 2 H200s the ragged round trip is 43x slower than the padded one (module doc).
 RAGGED_ON_GPU = False
 # The collective the ragged form calls; tests on CPU put emulated_ragged_all_to_all here.
 RAGGED_ALL_TO_ALL = lax.ragged_all_to_all

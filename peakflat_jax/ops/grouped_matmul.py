@@ -37,6 +37,26 @@ first and last ``block_k``-row blocks by *multiplying* lhs by 0, so lhs rows up 
 past ``sum(group_sizes)`` must be finite (an inf or NaN there would make dW NaN); the padding
 the MoE dispatch makes is finite, and zeroing it here would cost a pass over lhs.
 
+Rows past the groups on the Mosaic path. The forward kernel (and so dx) tiles its whole
+operand: every 128 rows cost a full tile of matmul work whether or not a group fills them (a
+tile past the last group computes and stores nothing). A receive buffer sized for the worst
+routing holds D times the rows a device usually gets, so the kernel's time followed the buffer,
+not the routing: on 2 H200s, one chunk of 262,144 filled rows in a 524,288-row buffer took
+about 28 ms per forward matmul (550 TFLOP/s over the buffer, 275 over the rows), while the
+weight-gradient kernel, which walks the groups' rows, took 10-12 ms
+(``scripts/results/moe_dispatch_gpu_20261130-111137.json``, traced). With ``expected_rows`` the
+forward and dx kernels run in two parts (``_rows_in_two_parts``): on the first
+``expected_rows`` rows (rounded up to 128) always, and on the rest only when the groups reach
+there. Each part pays the kernel's G - 1 spare tiles, so when both run the call costs a little
+more than one whole call; and the head part is a copy of those rows of lhs (XLA gives a custom
+call a slice as a new buffer): 1.3 / D of the buffer at the MoE layer's expected rows, 4.9 GB
+for one chunk of 32,768 tokens at D = 2. Measured on 2 H200s at N = 32,768
+(``moe_dispatch_gpu_20261130-112517.json`` against ``-111137.json``): the MoE layer's step
+14-18% faster where the routing stays within the expected rows (EP balanced 375 -> 308 ms, LLEP
+461 -> 395 ms, pipelined 589 -> 508 ms); EP under skew, where the tail runs, unchanged (429 ->
+431 ms); one chunk's peak 5.3 GiB higher (LLEP, 62.8 -> 68.1 GiB), the pipelined chunks' 0.4
+GiB lower.
+
 Mosaic constraints (``hopper_gpu_reason`` and ``mosaic_block_configs`` name the first one
 unmet; a forced ``"mosaic"`` raises with it):
 

@@ -35,6 +35,9 @@ G = E_l + max_foreign_experts groups, M = D * k * c rows that reach a device per
                 + 3 * G * H * F * 4    backward's fp32 sum of the chunks' weight gradients
     tokens:     3 * N * H * b          chunked copies of x and y, the output gather
     routing:    O(N * k) int32 metadata
+    Mosaic:     R * H * b              the grouped matmul's copy of the first R =
+                                       max(lambda, alpha) * k * c sorted rows (its forward
+                                       and dx kernels skip the rest when empty)
 
 Every term is fixed at launch: skew makes the plan move more weights, never a buffer larger. The
 paper's receive-side bound is 2 * M * H * b; the padded all-to-all (the only one XLA:CPU has)
@@ -45,11 +48,15 @@ instead of 4 * M. The portable grouped matmul
 which a grouped-matmul kernel does not have. No token-slot is dropped: an expert id outside
 [0, E) makes its token's output NaN.
 
-Measured on 2 H200s (scripts/results/moe_dispatch_gpu_20261130-072710.json; N = 32,768, E =
-128, k = 8, H = 7168, F = 2048, bf16, c = 6554, G = 128, Mosaic grouped matmul): the bound gives
-59.5 GB, XLA planned 54.5 GB of temporaries and 6.1 GB of arguments, and the allocator peaked at
-62.1 GiB. The weight terms (45 GB at G = 128) dominate there; what grows with N is bounded: at
-N = 65,536 the peak was 64.0 GiB, while one chunk (LLEP) failed to allocate 130 GiB.
+Rows move between orders (expert order, send buckets, chunks, migrated weights) by gathers
+both ways (``row_permutation``): as scatters they were 140 ms of a 718 ms step on 2 H200s.
+
+Measured on 2 H200s (scripts/results/moe_dispatch_gpu_20261130-112517.json, commit 95a208b; E =
+128, k = 8, H = 7168, F = 2048, bf16, c = 6554, G = 128, Mosaic grouped matmul): at N = 32,768
+the bound gives 60.5 GB, XLA planned 49.0 GB of temporaries besides 6.1 GB each of arguments
+and outputs, and the allocator peaked at 57.0 GiB (one chunk: 68.1 GiB). The weight terms (45
+GB at G = 128) dominate there; what grows with N is bounded: at N = 65,536 the peak was 59.3
+GiB, against 98.9 GiB for one chunk (commit 5fc6457, ``-111648.json``).
 
 Legend: N tokens on this rank, H hidden, F expert FFN width, k top-k, E experts, D devices,
 E_l = E / D, K chunks, c tokens per chunk, S = c * k slots per chunk per source.
