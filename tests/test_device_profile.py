@@ -8,11 +8,16 @@ from peakflat_jax.bench import device_profile, harness
 
 
 def test_summary_takes_the_union_per_stream_and_ranks_ops_per_device():
-    events = [("gpu:0", "stream 1", "gemm", 0, 10), ("gpu:0", "stream 1", "gemm", 5, 10),
-              ("gpu:0", "stream 1", "add", 30, 4), ("gpu:0", "stream 2", "all-to-all", 0, 40),
-              ("gpu:0", "stream 1", "gemm", 100, 10), ("gpu:0", "stream 1", "gemm", 105, 10),
-              ("gpu:0", "stream 1", "add", 130, 4), ("gpu:0", "stream 2", "all-to-all", 100, 40),
-              ("gpu:1", "stream 1", "gemm", 0, 6), ("gpu:1", "stream 1", "gemm", 100, 6)]
+    events = [("gpu:0", "stream 1", "gemm", "gemm_1", 0, 10),
+              ("gpu:0", "stream 1", "gemm", "gemm_2", 5, 10),
+              ("gpu:0", "stream 1", "add", "add", 30, 4),
+              ("gpu:0", "stream 2", "all-to-all", "nccl", 0, 40),
+              ("gpu:0", "stream 1", "gemm", "gemm_1", 100, 10),
+              ("gpu:0", "stream 1", "gemm", "gemm_2", 105, 10),
+              ("gpu:0", "stream 1", "add", "add", 130, 4),
+              ("gpu:0", "stream 2", "all-to-all", "nccl", 100, 40),
+              ("gpu:1", "stream 1", "gemm", "gemm", 0, 6),
+              ("gpu:1", "stream 1", "gemm", "gemm", 100, 6)]
     summary = device_profile.summarize_events(events, steps=2, top=2)
     first, second = summary["planes"]["gpu:0"], summary["planes"]["gpu:1"]
     # Overlapping kernels count once in a stream's busy time: 15 + 4 per step.
@@ -20,9 +25,12 @@ def test_summary_takes_the_union_per_stream_and_ranks_ops_per_device():
                               "stream 2": {"busy_ms": 40e-6, "events": 1}}
     assert list(first["ops_ms"].items()) == [("all-to-all", 40e-6), ("gemm", 20e-6)]
     assert first["other_ops_ms"] == 4e-6
+    # Kernel families: gemm_1 and gemm_2 are one family (the two are top=2 of three families).
+    assert first["kernel_families_ms"] == {"nccl": 40e-6, "gemm": 20e-6}
     # Devices are not summed: gpu:1's gemm is its own.
     assert second == {"lines": {"stream 1": {"busy_ms": 6e-6, "events": 1}},
-                      "ops_ms": {"gemm": 6e-6}, "other_ops_ms": 0}
+                      "ops_ms": {"gemm": 6e-6}, "other_ops_ms": 0,
+                      "kernel_families_ms": {"gemm": 6e-6}}
 
 
 def test_profile_call_reads_its_own_trace():

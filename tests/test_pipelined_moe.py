@@ -80,6 +80,7 @@ SETTINGS = [
     (2, 5, "strided", "llep"), (2, 6, "contiguous", "none"),
     (3, 6, "contiguous", "llep"), (3, 5, "strided", "llep"),
     (4, 3, "strided", "llep"), (5, 4, "strided", "llep"),
+    (5, 5, "strided", "llep"),  # K = 2: backward's scan over the middle chunks is empty
 ]
 
 

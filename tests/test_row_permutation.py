@@ -40,8 +40,9 @@ def test_rows_not_taken_get_no_gradient_and_integers_pass_through(rng):
     assert inverse.tolist() == [1, 2, 0, 2]
     grad = jax.grad(lambda x: jnp.sum(row_permutation.gather_rows(x, index, inverse)))(x)
     np.testing.assert_array_equal(grad, [[1] * 3, [0] * 3, [1] * 3, [0] * 3])
-    ids = row_permutation.gather_rows(jnp.arange(4), jnp.asarray([3, 9]), None, fill=-7)
-    assert ids.tolist() == [3, -7]
+    ids = row_permutation.gather_rows(jnp.arange(4), jnp.asarray([3, 9, -1]), None, fill=-7)
+    assert ids.tolist() == [3, -7, -7]  # negative indices are out of range, not from the end
+    assert row_permutation.inverse_map(jnp.asarray([-1, 0]), 3).tolist() == [1, 2, 2]
 
 
 def test_the_layer_moves_no_rows_by_scatter():

@@ -19,6 +19,7 @@ import collections
 import glob
 import io
 import pathlib
+import re
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterable
@@ -47,7 +48,7 @@ def profile_call(fn: Callable, *args, steps: int = 2, top: int = 40,
             return {"error": "the profiler wrote no .xplane.pb"}
         if keep_as is not None:
             _archive(keep_as, paths[0], hlo_text)
-        events = list(_events(ProfileData.from_file(paths[0]), plane_prefix))
+        events = trace_events(paths[0], plane_prefix)
     if not events:
         return {"error": f"no events on planes starting with {plane_prefix!r}"}
     return summarize_events(events, steps=steps, top=top)
@@ -64,9 +65,16 @@ def _archive(path: pathlib.Path, trace: str, hlo_text: str | None) -> None:
             archive.addfile(info, io.BytesIO(data))
 
 
+def trace_events(path: str, plane_prefix: str = DEVICE_PLANE_PREFIX) -> list[tuple]:
+    """The events of a saved trace (``.xplane.pb``) on the planes starting with
+    ``plane_prefix``, as ``summarize_events`` takes them."""
+    return list(_events(ProfileData.from_file(path), plane_prefix))
+
+
 def _events(data: ProfileData, plane_prefix: str):
-    """(plane, line, name, start_ns, duration_ns) of every event on the chosen planes; the name
-    is the event's HLO op where XLA tagged one, else the event's own name."""
+    """(plane, line, op, kernel, start_ns, duration_ns) of every event on the chosen planes:
+    ``op`` is the HLO op XLA tagged the event with (else the event's name), ``kernel`` the
+    event's own name (on a GPU the kernel's, which a command buffer's op tag hides)."""
     for plane in data.planes:
         if not plane.name.startswith(plane_prefix):
             continue
@@ -74,18 +82,23 @@ def _events(data: ProfileData, plane_prefix: str):
             for event in line.events:
                 stats = dict(event.stats)
                 name = stats.get("hlo_op") or event.name
-                yield plane.name, line.name, str(name), event.start_ns, event.duration_ns
+                yield (plane.name, line.name, str(name), str(event.name), event.start_ns,
+                       event.duration_ns)
 
 
-def summarize_events(events: Iterable[tuple[str, str, str, float, float]], *, steps: int,
+def summarize_events(events: Iterable[tuple[str, str, str, str, float, float]], *, steps: int,
                      top: int) -> dict:
-    """Per plane (device): each line's busy milliseconds per call and event count, and the
-    ``top`` names by milliseconds per call, with the rest summed."""
+    """Per plane (device): each line's busy milliseconds per call and event count, the ``top``
+    ops by milliseconds per call (the rest summed), and milliseconds per call of each kernel
+    family (the kernel's name without a numeric suffix: ``loop_add_fusion_3`` counts as
+    ``loop_add_fusion``)."""
     lines = collections.defaultdict(list)
     names = collections.defaultdict(collections.Counter)
-    for plane, line, name, start, duration in events:
+    families = collections.defaultdict(collections.Counter)
+    for plane, line, name, kernel, start, duration in events:
         lines[plane, line].append((start, start + duration))
         names[plane][name] += duration
+        families[plane][re.sub(r"_\d+$", "", kernel)] += duration
     summary = {"steps": steps, "planes": {}}
     for plane in sorted(names):
         ranked = names[plane].most_common()
@@ -94,7 +107,9 @@ def summarize_events(events: Iterable[tuple[str, str, str, float, float]], *, st
                              "events": len(intervals) // steps}
                       for (p, line), intervals in sorted(lines.items()) if p == plane},
             "ops_ms": {name: duration / 1e6 / steps for name, duration in ranked[:top]},
-            "other_ops_ms": sum(duration for _, duration in ranked[top:]) / 1e6 / steps}
+            "other_ops_ms": sum(duration for _, duration in ranked[top:]) / 1e6 / steps,
+            "kernel_families_ms": {kernel: duration / 1e6 / steps
+                                   for kernel, duration in families[plane].most_common(top)}}
     return summary
 
 

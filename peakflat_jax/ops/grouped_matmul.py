@@ -38,13 +38,11 @@ past ``sum(group_sizes)`` must be finite (an inf or NaN there would make dW NaN)
 the MoE dispatch makes is finite, and zeroing it here would cost a pass over lhs.
 
 Rows past the groups on the Mosaic path. The forward kernel (and so dx) tiles its whole
-operand: every 128 rows cost a full tile of matmul work whether or not a group fills them (a
-tile past the last group computes and stores nothing). A receive buffer sized for the worst
-routing holds D times the rows a device usually gets, so the kernel's time followed the buffer,
-not the routing: on 2 H200s, one chunk of 262,144 filled rows in a 524,288-row buffer took
-about 28 ms per forward matmul (550 TFLOP/s over the buffer, 275 over the rows), while the
-weight-gradient kernel, which walks the groups' rows, took 10-12 ms
-(``scripts/results/moe_dispatch_gpu_20261130-111137.json``, traced). With ``expected_rows`` the
+operand: its grid has cdiv(M, block_m) + G - 1 row tiles, and each costs a full tile of matmul
+work whether or not a group fills it (one past the last group computes and stores nothing; by
+the kernel's source in jax 0.11.2). A receive buffer sized for the worst routing holds D times
+the rows a device usually gets, so these kernels' time followed the buffer, not the routing
+(the weight-gradient kernel walks the groups' rows instead). With ``expected_rows`` the
 forward and dx kernels run in two parts (``_rows_in_two_parts``): on the first
 ``expected_rows`` rows (rounded up to 128) always, and on the rest only when the groups reach
 there. Each part pays the kernel's G - 1 spare tiles, so when both run the call costs a little

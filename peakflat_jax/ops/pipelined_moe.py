@@ -49,14 +49,16 @@ which a grouped-matmul kernel does not have. No token-slot is dropped: an expert
 [0, E) makes its token's output NaN.
 
 Rows move between orders (expert order, send buckets, chunks, migrated weights) by gathers
-both ways (``row_permutation``): as scatters they were 140 ms of a 718 ms step on 2 H200s.
+both ways (``row_permutation``): as scatters they were 140 ms of a 718 ms step on 2 H200s
+(``scripts/results/trace_summary_70e20c6_*.json``).
 
 Measured on 2 H200s (scripts/results/moe_dispatch_gpu_20261130-112517.json, commit 95a208b; E =
 128, k = 8, H = 7168, F = 2048, bf16, c = 6554, G = 128, Mosaic grouped matmul): at N = 32,768
-the bound gives 60.5 GB, XLA planned 49.0 GB of temporaries besides 6.1 GB each of arguments
+the bound gives 60.6 GB, XLA planned 49.0 GB of temporaries besides 6.1 GB each of arguments
 and outputs, and the allocator peaked at 57.0 GiB (one chunk: 68.1 GiB). The weight terms (45
 GB at G = 128) dominate there; what grows with N is bounded: at N = 65,536 the peak was 59.3
-GiB, against 98.9 GiB for one chunk (commit 5fc6457, ``-111648.json``).
+GiB (at commit 5fc6457, before the grouped matmul's split, ``-111648.json``: 59.7 GiB against
+98.9 GiB for one chunk).
 
 Legend: N tokens on this rank, H hidden, F expert FFN width, k top-k, E experts, D devices,
 E_l = E / D, K chunks, c tokens per chunk, S = c * k slots per chunk per source.
@@ -117,7 +119,8 @@ class _Layer:
         """Rows a device usually receives per chunk: a source's k * c slots (the mean), times
         the most the plan lets a device exceed it by: below the gate's lambda plain EP runs, and
         above it the plan fills devices to alpha times the mean. The buffer holds D times the
-        mean, for any routing; the grouped matmul skips its rows past this many when empty."""
+        mean, for any routing; the grouped matmul skips its rows past this many when empty.
+        With balance="none" nothing bounds a device's load: under skew the rest runs too."""
         return math.ceil(max(self.llep_threshold, self.llep_capacity) * self.top_k
                          * self.chunk_tokens)
 

@@ -5,7 +5,7 @@ into expert order, out of it, into send buckets, back home. Written as scatters
 (``zeros.at[order].set(rows)``), each one costs a pass that fills the output, the scatter, and
 under autodiff a mask of the output's size. Its transpose is a scatter-add as well. On 2 H200s
 the layer's scatters were the largest kernels after the grouped matmuls: 140 ms of a 718 ms step
-(``scripts/results/moe_dispatch_gpu_20261130-105150.json``, traced). A one-to-one map is a gather
+(``scripts/results/trace_summary_70e20c6_*.json``). A one-to-one map is a gather
 whose transpose is another gather, by the inverse map; ``gather_rows`` states that as a custom
 VJP, so neither direction scatters rows.
 
@@ -15,10 +15,11 @@ VJP, so neither direction scatters rows.
 * the caller promises that ``index`` is one-to-one on its in-range entries and that
   ``inverse[i]`` is the j with ``index[j] == i``, or out of range where no j takes row i. Then
   the cotangent of x is ``dy[inverse]`` (0 where out of range). The promise is not checked (the
-  maps are traced); the tests check every map the layer builds against autodiff of the scatter.
+  maps are traced). The tests check the rule on random maps against autodiff of the scatter,
+  and the layer's maps through its values and gradients against the float64 reference.
 
 The index maps themselves are built with integer scatters over the rows' positions: one int32
-per row, not one row.
+per row, not one row. The custom VJP has no forward-mode rule: ``jax.jvp`` through it raises.
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ import jax.numpy as jnp
 from peakflat_jax.ops._shard import varying_like
 
 
-def gather_rows(x: jax.Array, index: jax.Array, inverse: jax.Array, fill=0) -> jax.Array:
-    """``[len(index), ...]``: rows of ``x`` picked by the one-to-one ``index`` (module doc)."""
+def gather_rows(x: jax.Array, index: jax.Array, inverse: jax.Array | None,
+                fill=0) -> jax.Array:
+    """``[len(index), ...]``: rows of ``x`` picked by the one-to-one ``index`` (module doc).
+    ``fill``: a Python scalar (static). ``inverse`` may be None for integer ``x`` (no
+    cotangent)."""
     if not jnp.issubdtype(x.dtype, jnp.inexact):  # no cotangent to carry
         return _take(x, index, fill)
     # Inside shard_map, x must vary like the maps: the custom VJP's cotangent for x varies like
@@ -44,11 +48,13 @@ def inverse_map(index: jax.Array, num_rows: int) -> jax.Array:
     """``[num_rows]``: for each row i of the source, the j with ``index[j] == i``, or
     ``len(index)`` (out of range) where none; ``index`` one-to-one on its in-range entries."""
     positions = jnp.arange(index.shape[0], dtype=jnp.int32)
-    return jnp.full(num_rows, index.shape[0], jnp.int32).at[index].set(positions, mode="drop")
+    return jnp.full(num_rows, index.shape[0], jnp.int32).at[index].set(
+        positions, mode="drop", wrap_negative_indices=False)
 
 
 def _take(rows, index, fill):
-    return rows.at[index].get(mode="fill", fill_value=fill)
+    # A negative index is out of range too (jax would otherwise count it from the end).
+    return rows.at[index].get(mode="fill", fill_value=fill, wrap_negative_indices=False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
