@@ -90,10 +90,10 @@ def round_trip(mesh, kind: str, small: bool) -> dict:
             routes = expert_exchange.ragged_routes(destination, devices, "expert")
             received = expert_exchange.dispatch(rows, routes, devices, "expert")
             return expert_exchange.combine(received * 2, routes, slots, "expert")
-        positions = expert_exchange.bucket_positions(destination, devices)
-        sent = expert_exchange.pack(rows, destination, positions, devices)
+        routes = expert_exchange.padded_routes(destination, devices)
+        sent = expert_exchange.pack(rows, routes)
         back = expert_exchange.exchange(expert_exchange.exchange(sent, "expert") * 2, "expert")
-        return expert_exchange.unpack(back, destination, positions)
+        return expert_exchange.unpack(back, routes)
 
     step = jax.jit(jax.shard_map(trip, mesh=mesh, in_specs=(P("expert"), P("expert")),
                                  out_specs=P("expert")))

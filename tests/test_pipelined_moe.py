@@ -279,13 +279,12 @@ def test_ragged_round_trip_equals_padded(rng, ragged_exchange, devices):
     destination = jnp.asarray(rng.integers(0, devices + 1, devices * slots), jnp.int32)
 
     def padded(rows, destination):
-        positions = expert_exchange.bucket_positions(destination, devices)
-        received = expert_exchange.exchange(
-            expert_exchange.pack(rows, destination, positions, devices), "expert")
+        routes = expert_exchange.padded_routes(destination, devices)
+        received = expert_exchange.exchange(expert_exchange.pack(rows, routes), "expert")
         processed = received * 2 + lax.axis_index("expert")
         returned = expert_exchange.exchange(processed, "expert")
         return (received.reshape(-1, hidden), returned.reshape(devices, slots, hidden),
-                expert_exchange.unpack(returned, destination, positions))
+                expert_exchange.unpack(returned, routes))
 
     def ragged(rows, destination):
         routes = expert_exchange.ragged_routes(destination, devices, "expert")
@@ -320,11 +319,10 @@ def test_ragged_round_trip_of_replicated_rows_has_the_padded_gradient(rng, ragge
     cotangent = jnp.asarray(rng.standard_normal((devices * slots, hidden)), jnp.float32)
 
     def padded(rows, destination):
-        positions = expert_exchange.bucket_positions(destination, devices)
-        received = expert_exchange.exchange(
-            expert_exchange.pack(rows, destination, positions, devices), "expert")
+        routes = expert_exchange.padded_routes(destination, devices)
+        received = expert_exchange.exchange(expert_exchange.pack(rows, routes), "expert")
         returned = expert_exchange.exchange(received * (2 + lax.axis_index("expert")), "expert")
-        return expert_exchange.unpack(returned, destination, positions)
+        return expert_exchange.unpack(returned, routes)
 
     def ragged(rows, destination):
         routes = expert_exchange.ragged_routes(destination, devices, "expert")

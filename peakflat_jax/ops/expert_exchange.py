@@ -3,9 +3,10 @@
 Two forms with the same semantics: slot j of a source reaches its destination device, is
 processed there, and its result comes back to slot j. ``exchange_kind()`` chooses by backend.
 
-``"padded"`` (``pack`` / ``exchange`` / ``unpack``): every bucket has room for all S slots of a
-chunk, since in the worst case they all go to one device. It runs everywhere (XLA:CPU has no
-ragged-all-to-all). Buffers: D * S rows sent and D * S received, each way.
+``"padded"`` (``PaddedRoutes`` / ``pack`` / ``exchange`` / ``unpack``): every bucket has room
+for all S slots of a chunk, since in the worst case they all go to one device. It runs
+everywhere (XLA:CPU has no ragged-all-to-all). Buffers: D * S rows sent and D * S received,
+each way.
 
 ``"ragged"`` (``RaggedRoutes`` / ``dispatch`` / ``combine``): ``lax.ragged_all_to_all`` sends
 only the rows that exist, sorted by destination, and each receiver lays its sources' rows end to
@@ -68,33 +69,48 @@ def bucket_positions(destination: jax.Array, num_devices: int) -> jax.Array:
     return jnp.zeros_like(destination).at[order].set(positions_sorted)
 
 
-def pack(rows: jax.Array, destination: jax.Array, positions: jax.Array, num_devices: int,
-         fill=0) -> jax.Array:
-    """``[D, S, ...]`` buckets holding ``rows [S, ...]``; slots with destination D are left out
-    and empty places hold ``fill``. A gather both ways (``row_permutation``); its transpose is
-    ``unpack``."""
-    bucket_row, source_row = _bucket_maps(destination, positions, num_devices)
-    buckets = row_permutation.gather_rows(rows, source_row, bucket_row, fill)
-    return buckets.reshape(num_devices, *rows.shape)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PaddedRoutes:
+    """Where one chunk's slots sit in the padded buckets, as maps both ways."""
+
+    bucket_row: jax.Array  # [S] each slot's row in the flattened [D * S] buckets; D * S: not sent
+    source_row: jax.Array  # [D * S] each bucket row's slot; S: empty
+
+    @property
+    def num_slots(self) -> int:
+        return self.bucket_row.shape[0]
+
+    @property
+    def num_devices(self) -> int:
+        return self.source_row.shape[0] // self.bucket_row.shape[0]
 
 
-def unpack(buckets: jax.Array, destination: jax.Array, positions: jax.Array) -> jax.Array:
-    """The rows ``[S, ...]`` at each slot's place in ``buckets [D, S, ...]``; 0 where not sent.
-    The transpose of ``pack`` (a gather both ways)."""
-    num_devices = buckets.shape[0]
-    bucket_row, source_row = _bucket_maps(destination, positions, num_devices)
-    return row_permutation.gather_rows(buckets.reshape(-1, *buckets.shape[2:]), bucket_row,
-                                       source_row)
-
-
-def _bucket_maps(destination, positions, num_devices):
-    """Each slot's row in the flattened buckets ``[S]`` (D * S: not sent) and each bucket row's
-    slot ``[D * S]`` (S: empty)."""
+def padded_routes(destination: jax.Array, num_devices: int) -> PaddedRoutes:
+    """Routes of the slots ``destination [S]`` in ``[0, D]`` (D: not sent) for one chunk: each
+    slot takes the next row of its destination's bucket, in slot order."""
     num_slots = destination.shape[0]
+    positions = bucket_positions(destination, num_devices)
     sent = destination < num_devices
     bucket_row = jnp.where(sent, destination * num_slots + positions, num_devices * num_slots)
     bucket_row = bucket_row.astype(jnp.int32)
-    return bucket_row, row_permutation.inverse_map(bucket_row, num_devices * num_slots)
+    return PaddedRoutes(bucket_row,
+                        row_permutation.inverse_map(bucket_row, num_devices * num_slots))
+
+
+def pack(rows: jax.Array, routes: PaddedRoutes, fill=0) -> jax.Array:
+    """``[D, S, ...]`` buckets holding ``rows [S, ...]``; slots not sent are left out and empty
+    places hold ``fill``. A gather both ways (``row_permutation``); its transpose is
+    ``unpack``."""
+    buckets = row_permutation.gather_rows(rows, routes.source_row, routes.bucket_row, fill)
+    return buckets.reshape(routes.num_devices, *rows.shape)
+
+
+def unpack(buckets: jax.Array, routes: PaddedRoutes) -> jax.Array:
+    """The rows ``[S, ...]`` at each slot's place in ``buckets [D, S, ...]``; 0 where not sent.
+    The transpose of ``pack`` (a gather both ways)."""
+    return row_permutation.gather_rows(buckets.reshape(-1, *buckets.shape[2:]),
+                                       routes.bucket_row, routes.source_row)
 
 
 def exchange(buckets: jax.Array, axis_name) -> jax.Array:
@@ -119,6 +135,10 @@ class RaggedRoutes:
     recv_offsets: jax.Array    # [D] where each source's rows start in this device's buffer
     recv_sizes: jax.Array      # [D] rows from each source
     home_offsets: jax.Array    # [D] where each source's rows sit in that source's sorted slots
+
+    @property
+    def num_slots(self) -> int:
+        return self.order.shape[0]
 
 
 def ragged_routes(destination: jax.Array, num_devices: int, axis_name) -> RaggedRoutes:

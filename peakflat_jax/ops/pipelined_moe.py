@@ -352,48 +352,46 @@ def _expert_ffn(rows, group, weights, num_groups: int, expected_rows: int):
 
 
 def _chunk_routes(layer: _Layer, destination):
-    """Where a chunk's slots go (``destination [c, k]``): positions in padded buckets, or the
-    ragged form's offsets and sizes."""
+    """Where a chunk's slots go (``destination [c, k]``), computed once per chunk for every
+    exchange of it: the padded buckets' maps, or the ragged form's offsets and sizes."""
     destination = destination.reshape(-1)
     if layer.exchange == "ragged":
         return expert_exchange.ragged_routes(destination, layer.num_devices, layer.axis_name)
-    return expert_exchange.bucket_positions(destination, layer.num_devices)
+    return expert_exchange.padded_routes(destination, layer.num_devices)
 
 
-def _send(layer: _Layer, rows, destination, routes, fill=0):
+def _send(layer: _Layer, rows, routes, fill=0):
     """The slots' ``rows [S, ...]`` on the devices that process them: ``[D * S, ...]``. Linear in
     ``rows``; its transpose is ``_return``."""
-    destination = destination.reshape(-1)
     devices, axis = layer.num_devices, layer.axis_name
     if layer.exchange == "ragged":
         return expert_exchange.dispatch(rows, routes, devices, axis, fill=fill)
-    sent = expert_exchange.pack(rows, destination, routes, devices, fill=fill)
+    sent = expert_exchange.pack(rows, routes, fill=fill)
     return expert_exchange.exchange(sent, axis).reshape(-1, *rows.shape[1:])
 
 
-def _return(layer: _Layer, processed, destination, routes):
+def _return(layer: _Layer, processed, routes):
     """Rows ``processed [D * S, ...]`` back at their slots: ``[S, ...]``, 0 for slots not sent.
     The transpose of ``_send`` (the rows it filled get nothing), so backward sends cotangents
     home with it instead of transposing ``_send``."""
-    destination = destination.reshape(-1)
-    num_slots = destination.shape[0]
     if layer.exchange == "ragged":
-        return expert_exchange.combine(processed, routes, num_slots, layer.axis_name)
+        return expert_exchange.combine(processed, routes, routes.num_slots, layer.axis_name)
     returned = expert_exchange.exchange(
-        processed.reshape(layer.num_devices, num_slots, *processed.shape[1:]), layer.axis_name)
-    return expert_exchange.unpack(returned, destination, routes)
+        processed.reshape(layer.num_devices, routes.num_slots, *processed.shape[1:]),
+        layer.axis_name)
+    return expert_exchange.unpack(returned, routes)
 
 
-def _send_tokens(layer: _Layer, x_chunk, destination, routes):
+def _send_tokens(layer: _Layer, x_chunk, routes):
     """Each token's row, once per slot (slot (n, j) at row n*k + j), sent: [D * S, H]."""
-    return _send(layer, jnp.repeat(x_chunk, layer.top_k, axis=0), destination, routes)
+    return _send(layer, jnp.repeat(x_chunk, layer.top_k, axis=0), routes)
 
 
-def _tokens_cotangent(layer: _Layer, d_received, destination, routes, dtype):
+def _tokens_cotangent(layer: _Layer, d_received, routes, dtype):
     """The transpose of ``_send_tokens``, applied to ``d_received [D * S, H]``: ``[c, H]``, each
     token's k slots summed in fp32."""
-    d_slots = _return(layer, d_received, destination, routes)
-    d_slots = d_slots.reshape(*destination.shape, d_received.shape[1])
+    d_slots = _return(layer, d_received, routes)
+    d_slots = d_slots.reshape(-1, layer.top_k, d_received.shape[1])
     return jnp.sum(d_slots, axis=1, dtype=jnp.float32).astype(dtype)
 
 
@@ -401,20 +399,17 @@ def _dispatch(layer: _Layer, chunks, i):
     """Chunk i's dispatch: (received rows [D * S, H], their groups [D * S], routes).
     ``chunks``: the chunked (x, gates, destination, group)."""
     x_chunks, _, destination_chunks, group_chunks = chunks
-    destination = destination_chunks[i]
-    routes = _chunk_routes(layer, destination)
-    rows = _send_tokens(layer, x_chunks[i], destination, routes)
-    groups = _send(layer, group_chunks[i].reshape(-1), destination, routes,
-                   fill=layer.num_groups)
+    routes = _chunk_routes(layer, destination_chunks[i])
+    rows = _send_tokens(layer, x_chunks[i], routes)
+    groups = _send(layer, group_chunks[i].reshape(-1), routes, fill=layer.num_groups)
     return rows, groups, routes
 
 
-def _process(layer: _Layer, weights, received, received_group, destination, routes,
-             gates_chunk):
+def _process(layer: _Layer, weights, received, received_group, routes, gates_chunk):
     """A dispatched chunk's grouped SwiGLU, combine back home, and gate-weighted sum: [c, H]."""
     processed = _expert_ffn(received, received_group, weights, layer.num_groups,
                             layer.expected_rows)
-    slot_out = _return(layer, processed, destination, routes)
+    slot_out = _return(layer, processed, routes)
     slot_out = slot_out.reshape(-1, layer.top_k, received.shape[1]).astype(jnp.float32)
     combined = jnp.einsum("ck,ckh->ch", gates_chunk.astype(jnp.float32), slot_out)
     return combined.astype(received.dtype)
@@ -435,8 +430,7 @@ def _run_chunks(layer: _Layer, weights, x_chunks, gate_chunks, destination_chunk
 
     def process(i, sent):
         received, received_group, routes = sent
-        return _process(layer, weights, received, received_group, destination_chunks[i],
-                        routes, gate_chunks[i])
+        return _process(layer, weights, received, received_group, routes, gate_chunks[i])
 
     def step(sent, i):
         upcoming = _dispatch(layer, chunks, i + 1)  # issued before this chunk's matmuls
@@ -454,19 +448,18 @@ def _run_chunks_fwd(layer, weights, x_chunks, gate_chunks, destination_chunks, g
 
 def _run_chunks_bwd(layer, residuals, d_outputs):
     weights, *chunks = residuals
-    x_chunks, gate_chunks, destination_chunks, _ = chunks
+    x_chunks, gate_chunks, _, _ = chunks
 
     def chunk_grads(i, sent):
         """Chunk i recomputed from its dispatch, and differentiated: (dW, dx, d_gates)."""
         received, received_group, routes = sent
-        destination = destination_chunks[i]
 
         def process(w, rows, gates):
-            return _process(layer, w, rows, received_group, destination, routes, gates)
+            return _process(layer, w, rows, received_group, routes, gates)
 
         _, vjp = jax.vjp(process, weights, received, gate_chunks[i])
         d_w, d_received, d_gates = vjp(d_outputs[i])
-        d_x = _tokens_cotangent(layer, d_received, destination, routes, x_chunks.dtype)
+        d_x = _tokens_cotangent(layer, d_received, routes, x_chunks.dtype)
         return d_w, d_x, d_gates
 
     def accumulate(total, d_w):  # the chunks' weight gradients sum in fp32
