@@ -149,10 +149,7 @@ def run_case(case: dict) -> dict:
             both_ways = jax.jit(lambda down, up: (jax.device_put(down, jax.memory.Space.Device),
                                                   jax.device_put(up, jax.memory.Space.Host)),
                                 out_shardings=(None, host))
-            timing = harness.time_call(both_ways, arrays, resident, warmup=1,
-                                       repeats=case["repeats"])
-            return {"time_s": timing["median_s"], "time_min_s": timing["min_s"],
-                    "time_max_s": timing["max_s"], "repeats": timing["repeats"],
+            return {**harness.time_fields(both_ways, (arrays, resident), dict(case, warmup=1)),
                     "peak_bytes": harness.peak_bytes_over([device])}
         to_device = jax.jit(lambda a: jax.device_put(a, jax.memory.Space.Device))
         on_device = to_device(arrays)
@@ -177,11 +174,10 @@ def run_case(case: dict) -> dict:
     if RENDEZVOUS_ENV in os.environ:  # a stream_shared worker: start with the others
         _ready_then_wait_for_go(os.environ[RENDEZVOUS_ENV], os.environ[WORKER_ENV])
         extra["timed_from"] = time.time()
-    timing = harness.time_call(run, warmup=0, repeats=case["repeats"])
+    timing = harness.time_fields(run, (), dict(case, warmup=0))
     if RENDEZVOUS_ENV in os.environ:
         extra["timed_to"] = time.time()
-    return {**extra, "time_s": timing["median_s"], "time_min_s": timing["min_s"],
-            "time_max_s": timing["max_s"], "repeats": timing["repeats"],
+    return {**extra, **timing,
             "peak_bytes": harness.peak_bytes_over([device]) if device.platform != "cpu"
             else None}
 
