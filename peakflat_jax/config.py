@@ -1,0 +1,460 @@
+"""Run configurations: frozen dataclasses with a docstring under each field, read from YAML.
+
+A config file is a mapping of sections (``model``, ``mesh``, ``data``, ``operators``,
+``optimizer``, ``train``), each setting fields of its dataclass; ``key=value`` overrides on the
+command line address a field as ``section.field`` (``train.steps=20``) and take a YAML value.
+Every key must name a field and every value must have the field's type: a mistake is an error
+that names the key, raised before anything is compiled.
+
+The shipped presets live in ``configs/`` at the repository root; ``load_config("tiny")`` finds
+them by name as well as by path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import types
+import typing
+from typing import Any, Literal
+
+import yaml
+
+CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be run, with the key at fault in its message."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Sections.
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The decoder: gpt-oss / DeepSeek-V3 shaped, a stack of attention + MoE layers."""
+
+    vocab_size: int = 260
+    """V, the true vocabulary (byte-level data: 256 bytes + 4 specials). The head is padded to a
+    multiple of the ring size; padded columns never enter the softmax."""
+    hidden: int = 64
+    """H, the residual width."""
+    num_layers: int = 4
+    """L, decoder layers, each one checkpoint boundary."""
+    num_dense_layers: int = 0
+    """How many of the first layers use a dense SwiGLU FFN instead of the MoE."""
+    dense_ffn: int = 128
+    """FFN width of the leading dense layers."""
+    num_heads: int = 8
+    """Query heads."""
+    num_kv_heads: int = 8
+    """Key/value heads (grouped-query attention: num_heads is a multiple)."""
+    head_dim: int = 16
+    """Width of one attention head."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    rope_scaling: Literal["none", "linear", "ntk"] = "none"
+    """Long-context RoPE scaling: ``linear`` divides positions by ``rope_scaling_factor``
+    (position interpolation); ``ntk`` raises the base to theta * factor^(d / (d - 2))."""
+    rope_scaling_factor: float = 1.0
+    """The context-extension factor of ``rope_scaling``."""
+    num_experts: int = 16
+    """E, routed experts per MoE layer."""
+    top_k: int = 2
+    """k, experts per token."""
+    expert_ffn: int = 32
+    """F, the FFN width of one routed expert."""
+    shared_expert_ffn: int = 0
+    """FFN width of the always-on shared expert; 0 for none."""
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over experts (gpt-oss, top-k renormalized) or per-expert sigmoid
+    (DeepSeek-V3, top-k normalized)."""
+    router_bias_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for
+    the top-k choice only, moved by this rate against each expert's load error after every
+    step. 0 turns it off."""
+    routed_scale: float = 1.0
+    """Scales the routed experts' output (DeepSeek-V3's routed_scaling_factor)."""
+    tie_embeddings: bool = False
+    """Whether the output head is the embedding table (transposed)."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Working dtype of parameters and activations (optimizer state is fp32 either way)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The MoP mesh (``peakflat_jax.mesh``): ``data`` x ``seq`` devices. Batches split over
+    ``data``, each sequence over ``seq`` (Ulysses attention exchanges sequence for heads within
+    it); dense weights are sharded over all devices (FSDP), experts over all devices (expert
+    parallelism, E_p = W) and the output head's vocab over all devices (the ring, P = W)."""
+
+    data: int = 1
+    """Data-parallel degree."""
+    seq: int = -1
+    """Sequence-parallel (Ulysses) degree; -1: every device not used by ``data``."""
+    coordinator_address: str | None = None
+    """``host:port`` of process 0 for multi-process runs (else JAX_COORDINATOR_ADDRESS, or
+    single-process)."""
+    num_processes: int | None = None
+    """Processes in the run (else JAX_NUM_PROCESSES)."""
+    process_id: int | None = None
+    """This process's id (else JAX_PROCESS_ID)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Token batches: a byte-level corpus packed into sequences, or synthetic tokens."""
+
+    source: Literal["corpus", "synthetic"] = "corpus"
+    """``corpus``: the text file ``corpus_path`` tokenized as bytes, documents packed;
+    ``synthetic``: uniformly random tokens (one document per sequence)."""
+    corpus_path: str | None = None
+    """A UTF-8 text file whose documents are separated by blank lines; None: the public-domain
+    corpus shipped in ``peakflat_jax/train/corpus/``."""
+    seq_len: int = 256
+    """Context length T of every sequence."""
+    batch_size: int = 8
+    """Sequences per step (global); a multiple of the mesh's data degree."""
+    max_segments: int = 32
+    """The most documents packed into one sequence (the fused attention kernels take the
+    document boundaries as a static-size list)."""
+    seed: int = 0
+    """Shuffling seed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LLEPConfig:
+    """The least-loaded plan of PipelinedLLEP (SPEC.md, Operator 1, step 2)."""
+
+    threshold: float = 1.3
+    """lambda: plain expert parallelism while max/mean device load stays below it."""
+    capacity: float = 1.0
+    """alpha: a device is filled to alpha times the mean load."""
+    min_tokens: int = 1024
+    """m: the smallest piece of a spilled expert."""
+    max_foreign_experts: int | None = None
+    """Foreign experts a device may host (static buffers); None: the operator's default."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OperatorsConfig:
+    """The four operators, each switchable on its own. All off is the standard baseline of the
+    same model: full remat, flash attention, the same mesh."""
+
+    moe_dispatch: Literal["pipelined", "llep", "ep"] = "pipelined"
+    """``pipelined``: PipelinedLLEP in chunks of ``token_budget``; ``llep``: least-loaded EP in
+    one chunk; ``ep``: standard expert parallelism, one chunk."""
+    token_budget: int | None = None
+    """c, tokens per chunk per device for ``pipelined``; None: the planner's choice, or one
+    chunk."""
+    max_chunks: int = 10
+    """K_max, the most chunks per MoE layer."""
+    membership: Literal["strided", "contiguous"] = "strided"
+    """Which tokens form a chunk."""
+    llep: LLEPConfig = LLEPConfig()
+    """The LLEP plan's knobs (``pipelined`` and ``llep``)."""
+    loss: Literal["ring", "materialized"] = "ring"
+    """``ring``: Ring-DTP, the N x V logits never formed; ``materialized``: all-gathered head,
+    full logits."""
+    loss_mode: Literal["auto", "move_weights", "move_activations", "gather_kernel"] = "auto"
+    """The ring's schedule (``pf.ring_cross_entropy``'s mode)."""
+    vocab_block: int | None = None
+    """Vocab columns per logit strip of the ring; None: a whole shard."""
+    offload: Literal["none", "all"] | int | list | float = "none"
+    """Checkpoint boundaries kept in host memory (SCO): ``none``, ``all``, a count (the first
+    n), a list of L bools, or a float: a host budget in GiB per device."""
+    optimizer_offload: bool = True
+    """True: OffloadStreamAdamW (fp32 state in host memory, streamed in buckets); False:
+    optax.adamw with its state on the device, sharded like the params."""
+    attention: Literal["auto", "cudnn", "xla"] = "auto"
+    """Attention kernel: cuDNN flash attention on GPU, XLA elsewhere (``auto``)."""
+
+    @property
+    def all_off(self) -> OperatorsConfig:
+        """The baseline: every operator off, everything else alike."""
+        return dataclasses.replace(self, moe_dispatch="ep", loss="materialized", offload="none",
+                                   optimizer_offload=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with warm-up and cosine decay, global-norm clipping."""
+
+    learning_rate: float = 3e-3
+    """Peak learning rate."""
+    warmup_steps: int = 10
+    """Linear warm-up from 0."""
+    decay: Literal["cosine", "constant"] = "cosine"
+    """After warm-up: cosine decay to ``min_learning_rate_ratio`` x peak over the run, or
+    constant."""
+    min_learning_rate_ratio: float = 0.1
+    """Where the cosine ends, relative to the peak."""
+    b1: float = 0.9
+    """First-moment decay."""
+    b2: float = 0.95
+    """Second-moment decay."""
+    eps: float = 1e-8
+    """Denominator epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    max_grad_norm: float | None = 1.0
+    """Global-norm clipping; None for none."""
+    bucket_params: int = 100_000_000
+    """beta: parameters per streamed bucket (offloaded optimizer)."""
+    slots: int = 2
+    """s: buckets staged on the device at once (offloaded optimizer)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The loop: steps, logging, checkpoints."""
+
+    steps: int = 60
+    """Optimizer steps."""
+    seed: int = 0
+    """Parameter initialisation seed."""
+    run_dir: str = "runs/{name}"
+    """Where metrics, TensorBoard events and checkpoints go; ``{name}`` is the config's name."""
+    log_every: int = 1
+    """Write metrics every n steps."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every n steps (and at the end); 0: never."""
+    keep_checkpoints: int = 2
+    """How many complete checkpoints to keep."""
+    async_checkpoints: bool = True
+    """Write checkpoints in the background where orbax can."""
+    progress: bool = True
+    """Show a progress bar on a terminal."""
+    device_memory_gib: float | None = None
+    """The device's memory for the fit check (GiB); None: read from the device."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A whole run."""
+
+    name: str = "tiny"
+    """The run's name (default: the config file's stem)."""
+    model: ModelConfig = ModelConfig()
+    mesh: MeshConfig = MeshConfig()
+    data: DataConfig = DataConfig()
+    operators: OperatorsConfig = OperatorsConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    train: TrainConfig = TrainConfig()
+
+    def replace(self, **sections) -> Config:
+        """A copy with some fields of some sections replaced: ``replace(train={"steps": 3})``."""
+        return from_dict({**to_dict(self), **{k: {**to_dict(self)[k], **v} if isinstance(v, dict)
+                                             else v for k, v in sections.items()}})
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading and checking.
+
+
+def load_config(path_or_name: str | pathlib.Path, overrides: list[str] = ()) -> Config:
+    """The config in a YAML file (a path, or the name of a preset in ``configs/``), with
+    ``section.field=value`` overrides applied, checked (``check_config``)."""
+    path = pathlib.Path(path_or_name)
+    if not path.exists() and not path.suffix:
+        path = CONFIGS_DIR / f"{path_or_name}.yaml"
+    if not path.exists():
+        presets = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+        raise ConfigError(f"config: no file {str(path_or_name)!r} (presets in configs/: "
+                          f"{presets})")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config: {path} is not valid YAML: {error}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: {path} must hold a mapping of sections, got "
+                          f"{type(raw).__name__}")
+    raw.setdefault("name", path.stem)
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {override!r}: expected section.field=value")
+        *sections, field = key.split(".")
+        target = raw
+        for section in sections:
+            target = target.setdefault(section, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"{key}: {section} is not a section")
+        target[field] = yaml.safe_load(value) if value else None
+    return check_config(from_dict(raw))
+
+
+def from_dict(raw: dict) -> Config:
+    """A Config from nested mappings; unknown keys and ill-typed values raise ConfigError naming
+    the key."""
+    return _build(Config, raw, "")
+
+
+def to_dict(config) -> dict:
+    """Nested plain mappings (YAML- and JSON-ready)."""
+    return dataclasses.asdict(config)
+
+
+def _build(cls, raw, prefix: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of "
+                          f"{cls.__name__}'s fields, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key (fields of {cls.__name__}: "
+                          f"{sorted(fields)})")
+    values = {}
+    for name, value in raw.items():
+        values[name] = _convert(hints[name], value, f"{prefix}{name}")
+    return cls(**values)
+
+
+def _convert(hint, value, key: str):
+    """``value`` checked (and, for nested configs, built) against the type ``hint``."""
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, f"{key}.")
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            raise ConfigError(f"{key}: expected one of {list(typing.get_args(hint))}, got "
+                              f"{value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(hint):
+            try:
+                return _convert(option, value, key)
+            except ConfigError as error:
+                errors.append(str(error).split(": ", 1)[-1])
+        raise ConfigError(f"{key}: {value!r} fits none of: {'; '.join(errors)}")
+    if hint is type(None):
+        if value is not None:
+            raise ConfigError(f"{key}: expected null, got {value!r}")
+        return None
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if hint is list or origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return value
+    raise TypeError(f"{key}: unsupported field type {hint}")  # a bug in this module
+
+
+def check_config(config: Config) -> Config:
+    """Raises ConfigError naming the key for values that no mesh could run; returns config.
+    (Whether the mesh divides the model is checked by ``peakflat_jax.mesh`` once the device
+    count is known.)"""
+    m, d, o, opt, t = (config.model, config.data, config.operators, config.optimizer,
+                       config.train)
+    positive = [("model.vocab_size", m.vocab_size), ("model.hidden", m.hidden),
+                ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads),
+                ("model.num_kv_heads", m.num_kv_heads), ("model.head_dim", m.head_dim),
+                ("model.num_experts", m.num_experts), ("model.top_k", m.top_k),
+                ("model.expert_ffn", m.expert_ffn), ("model.dense_ffn", m.dense_ffn),
+                ("data.seq_len", d.seq_len), ("data.batch_size", d.batch_size),
+                ("data.max_segments", d.max_segments),
+                ("operators.max_chunks", o.max_chunks), ("optimizer.bucket_params",
+                                                         opt.bucket_params),
+                ("optimizer.slots", opt.slots), ("train.steps", t.steps),
+                ("train.log_every", t.log_every), ("train.keep_checkpoints", t.keep_checkpoints),
+                ("mesh.data", config.mesh.data)]
+    for key, value in positive:
+        if value < 1:
+            raise ConfigError(f"{key}: expected a positive integer, got {value}")
+    nonnegative = [("model.num_dense_layers", m.num_dense_layers),
+                   ("model.shared_expert_ffn", m.shared_expert_ffn),
+                   ("model.router_bias_rate", m.router_bias_rate),
+                   ("optimizer.warmup_steps", opt.warmup_steps),
+                   ("optimizer.weight_decay", opt.weight_decay),
+                   ("optimizer.learning_rate", opt.learning_rate),
+                   ("train.checkpoint_every", t.checkpoint_every)]
+    for key, value in nonnegative:
+        if value < 0:
+            raise ConfigError(f"{key}: expected a non-negative number, got {value}")
+    if m.num_dense_layers > m.num_layers:
+        raise ConfigError(f"model.num_dense_layers: expected at most model.num_layers = "
+                          f"{m.num_layers}, got {m.num_dense_layers}")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(f"model.num_heads: expected a multiple of model.num_kv_heads = "
+                          f"{m.num_kv_heads}, got {m.num_heads}")
+    if m.head_dim % 2:
+        raise ConfigError(f"model.head_dim: expected an even number (RoPE pairs), got "
+                          f"{m.head_dim}")
+    if m.top_k > m.num_experts:
+        raise ConfigError(f"model.top_k: expected at most model.num_experts = "
+                          f"{m.num_experts}, got {m.top_k}")
+    if m.rope_scaling_factor < 1 or not math.isfinite(m.rope_scaling_factor):
+        raise ConfigError(f"model.rope_scaling_factor: expected a finite number >= 1, got "
+                          f"{m.rope_scaling_factor}")
+    if d.source == "corpus" and m.vocab_size < 260:
+        raise ConfigError(f"model.vocab_size: the byte-level corpus needs at least 260 "
+                          f"(256 bytes + 4 specials), got {m.vocab_size}")
+    if config.mesh.seq == 0 or config.mesh.seq < -1:
+        raise ConfigError(f"mesh.seq: expected a positive integer or -1 (the rest), got "
+                          f"{config.mesh.seq}")
+    if o.token_budget is not None and o.token_budget < 1:
+        raise ConfigError(f"operators.token_budget: expected null or a positive integer, got "
+                          f"{o.token_budget}")
+    offload = o.offload
+    if isinstance(offload, bool):
+        raise ConfigError("operators.offload: expected none, all, a count, a list of "
+                          "model.num_layers bools, or a host budget in GiB (a float)")
+    if isinstance(offload, int) and not 0 <= offload <= m.num_layers:
+        raise ConfigError(f"operators.offload: expected a count in [0, model.num_layers = "
+                          f"{m.num_layers}], got {offload}")
+    if isinstance(offload, list) and (len(offload) != m.num_layers or not all(
+            isinstance(x, bool) for x in offload)):
+        raise ConfigError(f"operators.offload: expected a list of model.num_layers = "
+                          f"{m.num_layers} bools, got {offload}")
+    if isinstance(offload, float) and not offload >= 0:
+        raise ConfigError(f"operators.offload: expected a non-negative host budget in GiB, got "
+                          f"{offload}")
+    if o.loss_mode == "gather_kernel" and o.loss != "ring":
+        raise ConfigError("operators.loss_mode: gather_kernel is a schedule of the ring loss "
+                          "(operators.loss: ring)")
+    if not 0 <= opt.b1 < 1 or not 0 <= opt.b2 < 1:
+        raise ConfigError(f"optimizer.b1/b2: expected numbers in [0, 1), got {opt.b1}, "
+                          f"{opt.b2}")
+    if opt.max_grad_norm is not None and opt.max_grad_norm <= 0:
+        raise ConfigError(f"optimizer.max_grad_norm: expected null or a positive number, got "
+                          f"{opt.max_grad_norm}")
+    return config
+
+
+def offload_count(config: Config) -> Any:
+    """``operators.offload`` in ``pf.sco_scan``'s terms: an int, a tuple of bools, or a
+    HostBudget (bytes)."""
+    from peakflat_jax.ops.sco import HostBudget
+
+    offload = config.operators.offload
+    if offload == "none":
+        return 0
+    if offload == "all":
+        return config.model.num_layers
+    if isinstance(offload, float):
+        return HostBudget(int(offload * 2**30))
+    if isinstance(offload, list):
+        return tuple(offload)
+    return offload
