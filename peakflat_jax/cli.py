@@ -1,7 +1,10 @@
 """The ``peakflat`` command.
 
+    peakflat train CONFIG [section.field=value ...] [--resume] [--run-dir DIR] [--no-progress]
     peakflat bench OPERATOR [--preset cpu|gpu|gpu-x8] [--only TEXT]... [--repeats N]
                       [--trace-steps N] [--out-dir DIR] [--json]
+
+CONFIG is a YAML file or the name of a preset in configs/ (tiny, h200-1, ...).
 """
 
 from __future__ import annotations
@@ -59,10 +62,34 @@ def _bench(args: argparse.Namespace) -> int:
     return 0 if all("error" not in c or c.get("oom") for c in record["cases"]) else 1
 
 
+def _train(args: argparse.Namespace) -> int:
+    from peakflat_jax.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config, args.overrides)
+        from peakflat_jax.train.trainer import DoesNotFit, train
+
+        train(config, resume=args.resume, run_dir=args.run_dir,
+              progress=False if args.no_progress else None)
+    except (ConfigError, DoesNotFit) as error:
+        print(f"peakflat train: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="peakflat", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train the MoP decoder of a config")
+    train.add_argument("config", help="a YAML file, or a preset's name in configs/")
+    train.add_argument("overrides", nargs="*", metavar="section.field=value",
+                       help="config overrides, e.g. train.steps=10 operators.loss=materialized")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the latest complete checkpoint in the run directory")
+    train.add_argument("--run-dir", help="where metrics and checkpoints go (default: "
+                                         "train.run_dir of the config)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench = commands.add_parser("bench", help="benchmark an operator against its baseline")
     bench.add_argument("operator", choices=sorted(BENCHMARKS))
     bench.add_argument("--preset", default="cpu",
@@ -81,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv
     _prepare_environment()
+    if args.command == "train":
+        return _train(args)
     return _bench(args)
 
 

@@ -1,0 +1,127 @@
+"""The MoP decoder: a long-context MoE language model whose layer stack runs through SCO and
+whose loss runs through Ring-DTP.
+
+    tokens [B, T] -> embedding -> L decoder layers (the first ``num_dense_layers`` with a dense
+    FFN, the rest with the MoE) -> RMSNorm -> head [H, V'] -> mean cross-entropy over the
+    valid targets
+
+The layers are stacked (a leading L axis on every weight, made with ``nnx.vmap``) and run by
+``pf.sco_scan`` (one stack for the dense layers, one for the MoE layers): each layer is
+rematerialized in backward from its input, and the inputs chosen by ``operators.offload`` wait
+in host memory. The carry holds, besides h, the step's positions and segment ids (integers:
+they travel, nothing offloads them) and the MoE layers' per-expert counts, which the trainer
+uses for the router's bias balancing.
+
+Memory per device with the operators on (the planner's terms, ``peakflat_jax.plan``): the
+weight and gradient shards; the kept checkpoint boundaries, 2 restored ones; one layer's
+recompute (attention, the MoE's chunk buffers: ``pf.pipelined_moe``'s bound); the loss's
+strips (``pf.ring_cross_entropy``'s bound).
+
+Legend: B sequences, T sequence length, H hidden, L layers, V vocab, V' = V padded to a
+multiple of the mesh's W devices, E experts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from peakflat_jax import mesh as mop
+from peakflat_jax.config import ModelConfig
+from peakflat_jax.model.layers import DecoderLayer, RMSNorm, Runtime, _normal, gathered, on_tokens
+from peakflat_jax.ops.global_forms import (materialized_cross_entropy_global,
+                                           ring_cross_entropy_global)
+from peakflat_jax.ops.sco import sco_scan
+
+IGNORE = -100
+"""The target of a token that predicts nothing (document ends, padding)."""
+
+
+def _stack(config: ModelConfig, count: int, *, moe: bool, rngs: nnx.Rngs) -> DecoderLayer:
+    """``count`` layers as one module whose weights have a leading layer axis."""
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs: nnx.Rngs) -> DecoderLayer:
+        return DecoderLayer(config, moe=moe, rngs=rngs)
+
+    return create(rngs)
+
+
+class MoEDecoder(nnx.Module):
+    """The model (module doc). ``padded_vocab``: V rounded up to a multiple of the mesh's
+    devices (``mesh.padded_vocab``)."""
+
+    def __init__(self, config: ModelConfig, *, padded_vocab: int, rngs: nnx.Rngs):
+        dtype = jnp.dtype(config.dtype)
+        self.config = config
+        self.padded_vocab = padded_vocab
+        self.embedding = _normal(rngs, (padded_vocab, config.hidden), config.init_std, dtype)
+        num_dense = config.num_dense_layers
+        num_moe = config.num_layers - num_dense
+        self.dense_layers = _stack(config, num_dense, moe=False, rngs=rngs) if num_dense else None
+        self.moe_layers = _stack(config, num_moe, moe=True, rngs=rngs) if num_moe else None
+        self.final_norm = RMSNorm(config.hidden, config.norm_eps, dtype)
+        self.head = None if config.tie_embeddings else _normal(
+            rngs, (config.hidden, padded_vocab), config.init_std, dtype)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.config.num_layers - self.config.num_dense_layers
+
+    def __call__(self, batch: dict, run: Runtime, offload: tuple[bool, ...]):
+        """(mean loss over the valid targets, per-layer expert counts [L_moe, E] int32).
+
+        ``batch``: tokens, targets, positions, segment_ids, each [B, T] int32, split over the
+        mesh's (data, seq) axes. ``offload``: L bools, the boundaries SCO keeps in host memory.
+        With no valid target the mean is NaN (as torch's)."""
+        config, mesh = self.config, run.mesh
+        table = gathered(mesh, self.embedding[...])
+        h = on_tokens(mesh, jnp.take(table, batch["tokens"], axis=0))
+        carry = {"h": h, "positions": batch["positions"], "segment_ids": batch["segment_ids"]}
+        num_dense = config.num_dense_layers
+        if self.dense_layers is not None:
+            carry = self._run_stack(self.dense_layers, carry, run, offload[:num_dense])
+        counts = jnp.zeros((self.num_moe_layers, config.num_experts), jnp.int32)
+        if self.moe_layers is not None:
+            carry = self._run_stack(self.moe_layers, {**carry, "counts": counts}, run,
+                                    offload[num_dense:])
+            counts = carry["counts"]
+        h = self.final_norm(carry["h"])
+        kernel = self.embedding[...].T if self.head is None else self.head[...]
+        loss = mean_cross_entropy(h.reshape(-1, config.hidden), kernel,
+                                  batch["targets"].reshape(-1), run, config.vocab_size)
+        return loss, counts
+
+    def _run_stack(self, stack: DecoderLayer, carry: dict, run: Runtime,
+                   offload: tuple[bool, ...]) -> dict:
+        graphdef, state = nnx.split(stack)
+        index = jnp.arange(len(offload), dtype=jnp.int32)
+
+        def layer_fn(carry, params):
+            layer_state, layer_index = params
+            layer = nnx.merge(graphdef, layer_state)
+            h, counts = layer(carry["h"], carry["positions"], carry["segment_ids"], run)
+            carry = {**carry, "h": h}
+            if counts is not None:
+                carry["counts"] = carry["counts"].at[layer_index].set(counts)
+            return carry
+
+        return sco_scan(layer_fn, carry, (state, index), offload=offload)
+
+
+def mean_cross_entropy(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, run: Runtime,
+                       vocab_size: int) -> jax.Array:
+    """The mean loss over the valid targets of the global batch, by the configured loss."""
+    ops = run.operators
+    if ops.loss == "ring":
+        options = dict(mode=ops.loss_mode, vocab_block=ops.vocab_block)
+        losses = ring_cross_entropy_global(hidden, kernel, targets, mesh=run.mesh,
+                                           axis_name=mop.ALL, vocab_size=vocab_size,
+                                           ignore_index=IGNORE, **options)
+    else:
+        losses = materialized_cross_entropy_global(hidden, kernel, targets, mesh=run.mesh,
+                                                   axis_name=mop.ALL, vocab_size=vocab_size,
+                                                   ignore_index=IGNORE)
+    valid = targets != IGNORE
+    return jnp.sum(losses) / jnp.sum(valid)

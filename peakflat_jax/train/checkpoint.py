@@ -1,0 +1,104 @@
+"""Checkpoints of a run, with orbax's CheckpointManager: weights, optimizer state (the
+host-resident state too), the data iterator's position, and the step.
+
+One orbax Composite per step under ``run_dir/checkpoints/<step>``: ``params`` and ``extras``
+(the router's bias) in their shards, ``opt_state`` (for the offloaded optimizer its host arrays,
+restored into host memory, and its layout as JSON beside them, checked before restoring), the
+Grain iterator's state, and ``meta`` (step, config, the rest of the train state). Saves run in
+the background where orbax can (``train.async_checkpoints``); orbax writes a step into a
+temporary directory and renames it when complete, so a run killed during a save resumes from
+the last complete checkpoint and loses nothing that was complete.
+
+The train state holds no random key: initialisation is a pure function of ``train.seed`` (in
+``meta``) and the data order is the data iterator's state.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import jax
+import orbax.checkpoint as ocp
+
+from peakflat_jax.config import Config, to_dict
+
+
+class Checkpoints:
+    """``save(state, batches, optimizer)`` and ``restore_latest(state, batches, optimizer)``
+    over one directory."""
+
+    def __init__(self, directory: pathlib.Path, config: Config):
+        self.directory = directory.absolute()
+        self.config = config
+        train = config.train
+        self._manager = None
+        if train.checkpoint_every or self.directory.exists():
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=train.keep_checkpoints, create=True,
+                enable_async_checkpointing=train.async_checkpoints)
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def save(self, state, batches, optimizer) -> None:
+        from peakflat_jax.train.trainer import TrainState  # noqa: F401 (documentation)
+
+        items = dict(
+            params=ocp.args.StandardSave(state.params),
+            extras=ocp.args.StandardSave(state.extras),
+            opt_state=ocp.args.StandardSave(_opt_for_checkpoint(optimizer, state.opt_state)),
+            data=ocp.args.JsonSave(batches.get_state_json()),
+            meta=ocp.args.JsonSave({"step": state.step, "config": to_dict(self.config),
+                                    "optimizer": _opt_metadata(optimizer, state.opt_state)}))
+        self._manager.save(state.step, args=ocp.args.Composite(**items))
+        kill_at = os.environ.get("PEAKFLAT_TEST_EXIT_DURING_SAVE")
+        if kill_at and int(kill_at) == state.step:  # tests: a run killed while a save runs
+            os._exit(17)
+
+    def restore_latest(self, state, batches, optimizer):
+        """The state of the latest complete checkpoint (None when there is none); ``state``
+        (a freshly initialised one) gives the shapes, shardings and memory kinds."""
+        if self._manager is None:
+            return None
+        step = self._manager.latest_step()
+        if step is None:
+            return None
+        meta = self._manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore()))["meta"]
+        _check_opt_metadata(optimizer, state.opt_state, meta["optimizer"])
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, dict(
+            params=state.params, extras=state.extras,
+            opt_state=_opt_for_checkpoint(optimizer, state.opt_state)))
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract["params"]),
+            extras=ocp.args.StandardRestore(abstract["extras"]),
+            opt_state=ocp.args.StandardRestore(abstract["opt_state"]),
+            data=ocp.args.JsonRestore()))
+        batches.set_state_json(restored["data"])
+        opt_state = _opt_from_checkpoint(optimizer, restored["opt_state"], state.opt_state)
+        return type(state)(restored["params"], restored["extras"], opt_state, meta["step"])
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._manager.close()
+
+
+def _opt_for_checkpoint(optimizer, opt_state):
+    adapter = getattr(optimizer, "state_for_checkpoint", None)
+    return adapter(opt_state) if adapter else opt_state
+
+
+def _opt_from_checkpoint(optimizer, restored, like):
+    adapter = getattr(optimizer, "state_from_checkpoint", None)
+    return adapter(restored, like=like) if adapter else restored
+
+
+def _opt_metadata(optimizer, opt_state) -> dict:
+    describe = getattr(optimizer, "state_metadata", None)
+    return describe(opt_state) if describe else {}
+
+
+def _check_opt_metadata(optimizer, opt_state, saved: dict) -> None:
+    check = getattr(optimizer, "check_metadata", None)
+    if check:
+        check(opt_state, saved)

@@ -1,0 +1,72 @@
+"""The run's optimizer: AdamW with warm-up, cosine decay and global-norm clipping, its state in
+host memory (``pf.offload_stream_adamw``) or on the device (``optax.adamw``, sharded like the
+params).
+
+Both keep an fp32 master copy of every weight and give the model its working dtype: the
+offloaded one in host memory by design, the device one on the device when the working dtype
+is narrower than fp32 (mixed precision's usual 16 bytes per parameter: bf16 weight and gradient,
+fp32 master and two moments). So switching the operator changes where the state lives, never
+the update: both apply optax.adamw's arithmetic to the fp32 master.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from peakflat_jax.config import OptimizerConfig
+from peakflat_jax.optim.offload_adamw import offload_stream_adamw
+
+
+def learning_rate_schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    """Linear warm-up from 0 to the peak, then cosine decay to ``min_learning_rate_ratio`` x
+    peak at ``total_steps`` (or constant)."""
+    peak, warmup = config.learning_rate, config.warmup_steps
+    if config.decay == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            0.0, peak, warmup_steps=warmup, decay_steps=max(total_steps, warmup + 1),
+            end_value=peak * config.min_learning_rate_ratio)
+    if warmup == 0:
+        return optax.constant_schedule(peak)
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
+                                 optax.constant_schedule(peak)], [warmup])
+
+
+class DeviceAdamW:
+    """optax.adamw (clipped) on an fp32 master kept on the device: ``init(params) -> state``,
+    ``update(grads, params, state) -> (params, state)``, pure, for use inside a jitted step."""
+
+    def __init__(self, config: OptimizerConfig, total_steps: int):
+        schedule = learning_rate_schedule(config, total_steps)
+        adamw = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
+                            weight_decay=config.weight_decay, mu_dtype=jnp.float32)
+        clip = (optax.clip_by_global_norm(config.max_grad_norm)
+                if config.max_grad_norm is not None else optax.identity())
+        self.transformation = optax.chain(clip, adamw)
+
+    def init(self, params):
+        """(fp32 master or None where the params are fp32 already, optax state)."""
+        master = None
+        if any(leaf.dtype != jnp.float32 for leaf in jax.tree.leaves(params)):
+            master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+        return master, self.transformation.init(params if master is None else master)
+
+    def update(self, grads, params, state):
+        master, optax_state = state
+        target = params if master is None else master
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        updates, optax_state = self.transformation.update(grads, optax_state, target)
+        target = optax.apply_updates(target, updates)
+        if master is None:
+            return target, (None, optax_state)
+        working = jax.tree.map(lambda m, p: m.astype(p.dtype), target, params)
+        return working, (target, optax_state)
+
+
+def make_offloaded(config: OptimizerConfig, total_steps: int):
+    """``pf.offload_stream_adamw`` with the run's hyperparameters."""
+    return offload_stream_adamw(
+        learning_rate_schedule(config, total_steps), b1=config.b1, b2=config.b2, eps=config.eps,
+        weight_decay=config.weight_decay, bucket_params=config.bucket_params,
+        slots=config.slots, max_grad_norm=config.max_grad_norm)

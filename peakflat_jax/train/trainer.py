@@ -1,0 +1,347 @@
+"""``peakflat train``: the training loop of the MoP decoder.
+
+Per step: a global batch from the data pipeline (each process feeds its rows), the loss and
+gradients in one compiled program (the layer stack through SCO, the loss through Ring-DTP, as
+configured), then AdamW: fused into the same program when its state is on the device, or
+``pf.offload_stream_adamw``'s own program when its state is in host memory. The router's
+balancing bias moves after every step from that step's per-expert counts.
+
+Before compiling: the config's keys and values, the mesh against the model and batch, and the
+planner's closed-form bound against the device's memory (``peakflat_jax.plan``). After
+compiling, and before the first step: XLA's own plan of the step against the device's memory.
+Either refusal names the terms and what to change.
+
+Reported per step (JSONL + TensorBoard under ``train.run_dir``, a progress bar on a terminal):
+loss, learning rate, gradient norm, tokens/s, model TFLOP/s per device and MFU (model FLOPs of
+``model.size``, the device's dense peak), peak device memory, host memory. A batch without a
+valid target is reported and skipped (its mean loss is NaN).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from peakflat_jax import mesh as mop
+from peakflat_jax.config import Config, ConfigError, offload_count, to_dict
+from peakflat_jax.model.attention import choose_implementation
+from peakflat_jax.model.decoder import IGNORE
+from peakflat_jax.model.layers import RouterBias, Runtime
+from peakflat_jax.model.sharding import init_model
+from peakflat_jax.model.size import model_flops_per_token
+from peakflat_jax.ops.sco import HostBudget
+from peakflat_jax.train import checkpoint as ckpt
+from peakflat_jax.train import data as data_pipeline
+from peakflat_jax.train import metrics as report
+from peakflat_jax.train.optimizer import DeviceAdamW, learning_rate_schedule, make_offloaded
+
+
+class DoesNotFit(RuntimeError):
+    """A configuration whose step needs more device memory than there is."""
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Everything a step changes: weights (trainable params and the router's bias), optimizer
+    state, the data iterator's position and the step count."""
+
+    params: Any
+    extras: Any
+    opt_state: Any
+    step: int
+
+
+def boundary_offload(config: Config, mesh) -> tuple[bool, ...]:
+    """``operators.offload`` as L bools. A host budget (GiB per device) counts one device's
+    share of a boundary: N tokens x H x bytes (plus the carry's small extras)."""
+    chosen = offload_count(config)
+    layers = config.model.num_layers
+    if isinstance(chosen, HostBudget):
+        tokens = config.data.batch_size * config.data.seq_len // mop.num_devices(mesh)
+        boundary = tokens * config.model.hidden * jnp.dtype(config.model.dtype).itemsize
+        count = min(layers, chosen.bytes // boundary)
+        return tuple(i < count for i in range(layers))
+    if isinstance(chosen, tuple):
+        return chosen
+    return tuple(i < chosen for i in range(layers))
+
+
+def runtime_for(config: Config, mesh) -> Runtime:
+    platform = np.asarray(mesh.devices).flat[0].platform
+    ops = config.operators
+    try:
+        attention = choose_implementation(ops.attention, platform, config.model.dtype)
+    except ValueError as error:
+        raise ConfigError(f"operators.attention: {error}") from None
+    budget = ops.token_budget if ops.moe_dispatch == "pipelined" else None
+    return Runtime(mesh=mesh, operators=ops, attention=attention,
+                   max_segments=1 if config.data.source == "synthetic" else
+                   config.data.max_segments, token_budget=budget)
+
+
+def split_model_state(state):
+    """(trainable params, the router's bias and other non-trained variables)."""
+    return state.split(nnx.Param, ...) if hasattr(state, "split") else nnx.split_state(
+        state, nnx.Param, ...)
+
+
+class Trainer:
+    """One run: ``Trainer(config).run(resume=False) -> summary``."""
+
+    def __init__(self, config: Config, *, run_dir: str | None = None):
+        self.config = config
+        mop.initialize_distributed(config.mesh)
+        self.mesh = mop.make_mesh(config.mesh)
+        mop.check_model_fits_mesh(config, self.mesh)
+        self.run = runtime_for(config, self.mesh)
+        self.offload = boundary_offload(config, self.mesh)
+        self.run_dir = pathlib.Path(run_dir or config.train.run_dir.format(name=config.name))
+        self.total_steps = config.train.steps
+        self.offloaded_optimizer = config.operators.optimizer_offload
+        self.schedule = learning_rate_schedule(config.optimizer, self.total_steps)
+        self.batches = data_pipeline.make_batches(
+            config.data, vocab_size=config.model.vocab_size,
+            process_index=jax.process_index(), process_count=jax.process_count())
+        self.flops_per_token = model_flops_per_token(config.model, config.data.seq_len)
+
+    # -- state --------------------------------------------------------------------------------
+
+    def initial_state(self) -> TrainState:
+        graphdef, state = init_model(self.config.model, self.mesh, self.config.train.seed)
+        self.graphdef = graphdef
+        params, extras = split_model_state(state)
+        if self.offloaded_optimizer:
+            self.optimizer = make_offloaded(self.config.optimizer, self.total_steps)
+            opt_state = self.optimizer.init(params)
+        else:
+            self.optimizer = DeviceAdamW(self.config.optimizer, self.total_steps)
+            shardings = jax.tree.map(lambda a: a.sharding, params)
+            opt_state = jax.jit(self.optimizer.init)(params)
+            del shardings
+        return TrainState(params, extras, opt_state, 0)
+
+    # -- the compiled programs ------------------------------------------------------------------
+
+    def _loss(self, params, extras, batch):
+        model = nnx.merge(self.graphdef, params, extras)
+        return model(batch, self.run, self.offload)
+
+    def _balanced_extras(self, extras, counts):
+        """The router's bias moved against each expert's load error (DeepSeek-V3's
+        auxiliary-loss-free balancing): up for experts below the mean load, down above."""
+        rate = self.config.model.router_bias_rate
+        if rate == 0 or counts.shape[0] == 0:
+            return extras
+
+        def move(path, leaf):
+            if not any(getattr(k, "key", None) == "router_bias" for k in path):
+                return leaf
+            load = counts.astype(jnp.float32)
+            error = jnp.mean(load, axis=-1, keepdims=True) - load
+            return leaf + rate * jnp.sign(error)
+
+        return jax.tree_util.tree_map_with_path(move, extras)
+
+    def _gradients(self, params, extras, batch):
+        (loss, counts), grads = jax.value_and_grad(self._loss, has_aux=True)(params, extras,
+                                                                             batch)
+        grad_norm = optax_global_norm(grads)
+        return loss, counts, grads, grad_norm, self._balanced_extras(extras, counts)
+
+    def compile(self, state: TrainState, batch) -> None:
+        """Compiles the step's programs and checks XLA's plan against the device's memory."""
+        if self.offloaded_optimizer:
+            def gradient_step(params, extras, batch):
+                loss, counts, grads, grad_norm, extras = self._gradients(params, extras, batch)
+                return dict(loss=loss, grad_norm=grad_norm, counts=counts), grads, extras
+
+            self._gradient_step = jax.jit(gradient_step, donate_argnums=(1,)).lower(
+                state.params, state.extras, batch).compile()
+            self._check_fits(self._gradient_step, "the loss and gradient program")
+        else:
+            def train_step(params, extras, opt_state, batch):
+                loss, counts, grads, grad_norm, extras = self._gradients(params, extras, batch)
+                params, opt_state = self.optimizer.update(grads, params, opt_state)
+                return params, extras, opt_state, dict(loss=loss, grad_norm=grad_norm,
+                                                       counts=counts)
+
+            self._train_step = jax.jit(train_step, donate_argnums=(0, 1, 2)).lower(
+                state.params, state.extras, state.opt_state, batch).compile()
+            self._check_fits(self._train_step, "the train step")
+
+    def _check_fits(self, compiled, what: str) -> None:
+        from peakflat_jax.memory import compiled_memory
+
+        limit = self.device_memory()
+        plan = compiled_memory(compiled)
+        self.xla_plan = plan
+        if limit is not None and plan.total > limit:
+            raise DoesNotFit(
+                f"{what} needs {plan.total / 2**30:.2f} GiB per device by XLA's plan "
+                f"(arguments {plan.argument / 2**30:.2f}, temporaries {plan.temp / 2**30:.2f}, "
+                f"outputs {plan.output / 2**30:.2f}), the device has {limit / 2**30:.2f} GiB: "
+                f"see `peakflat plan` for the terms and what to change")
+
+    def device_memory(self) -> int | None:
+        configured = self.config.train.device_memory_gib
+        return int(configured * 2**30) if configured else report.device_memory_bytes()
+
+    def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+        """One optimizer step; the state passed in is consumed."""
+        if self.offloaded_optimizer:
+            metrics, grads, extras = self._gradient_step(state.params, state.extras, batch)
+            jax.tree.map(lambda a: a.delete(), state.params)  # the optimizer writes new ones
+            params, opt_state = self.optimizer.step(grads, state.opt_state)
+        else:
+            params, extras, opt_state, metrics = self._train_step(
+                state.params, state.extras, state.opt_state, batch)
+        return TrainState(params, extras, opt_state, state.step + 1), metrics
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def global_batch(self, local: dict) -> dict:
+        sharding = mop.token_sharding(self.mesh)
+        return {key: jax.make_array_from_process_local_data(sharding, value)
+                for key, value in local.items()}
+
+    def run(self, *, resume: bool = False, progress: bool | None = None) -> dict:
+        config = self.config
+        progress = config.train.progress if progress is None else progress
+        checkpoints = ckpt.Checkpoints(self.run_dir / "checkpoints", config)
+        state = self.initial_state()
+        if resume:
+            state = checkpoints.restore_latest(state, self.batches, self.optimizer) or state
+        writer = report.MetricsWriter(self.run_dir)
+        if jax.process_index() == 0:
+            (self.run_dir / "config.json").write_text(json.dumps(to_dict(config), indent=1))
+        bar = report.Progress(self.total_steps, state.step, enabled=progress)
+        bar.write(self.banner(state))
+        tokens_per_step = config.data.batch_size * config.data.seq_len
+        num_devices = mop.num_devices(self.mesh)
+        peak = report.peak_flops(jax.devices()[0], config.model.dtype)
+        history = []
+        compiled = False
+        try:
+            while state.step < self.total_steps:
+                batch = self.global_batch(next(self.batches))
+                valid = int(jnp.sum(batch["targets"] != IGNORE))
+                if not compiled:
+                    started = time.perf_counter()
+                    self.compile(state, batch)
+                    bar.write(f"compiled in {time.perf_counter() - started:.1f} s; XLA's plan "
+                              f"{self.xla_plan.total / 2**30:.3f} GiB per device")
+                    compiled = True
+                if valid == 0:  # mean over no token: NaN; report it, keep the weights
+                    bar.write(f"step {state.step + 1}: batch without a valid target, skipped")
+                    state = dataclasses.replace(state, step=state.step + 1)
+                    continue
+                started = time.perf_counter()
+                state, metrics = self.step(state, batch)
+                loss = float(metrics["loss"])  # waits for the step
+                seconds = time.perf_counter() - started
+                tflops = self.flops_per_token * tokens_per_step / seconds / num_devices / 1e12
+                record = {
+                    "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+                    "learning_rate": float(self.schedule(state.step - 1)),
+                    "step_seconds": seconds, "tokens_per_second": tokens_per_step / seconds,
+                    "model_tflops_per_device": tflops,
+                    "mfu": tflops * 1e12 / peak if peak else None,
+                    "peak_device_bytes": report.device_peak_bytes(),
+                    "host_bytes": report.host_resident_bytes(),
+                    "valid_targets": valid,
+                }
+                history.append(record)
+                if state.step % config.train.log_every == 0 or state.step == self.total_steps:
+                    writer.write(state.step, record)
+                bar.update(state.step, self.total_steps,
+                           f"loss {loss:.4f}  {record['tokens_per_second']:,.0f} tok/s")
+                every = config.train.checkpoint_every
+                if every and (state.step % every == 0 or state.step == self.total_steps):
+                    checkpoints.save(state, self.batches, self.optimizer)
+        finally:
+            checkpoints.close()
+            writer.close()
+            bar.close()
+        summary = self.summary(history, state)
+        if jax.process_index() == 0:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        bar.write(format_summary(summary))
+        return summary
+
+    def banner(self, state: TrainState) -> str:
+        from peakflat_jax.model.size import parameter_counts
+
+        counts = parameter_counts(self.config.model, mop.padded_vocab(
+            self.config.model.vocab_size, mop.num_devices(self.mesh)))
+        ops = self.config.operators
+        return (f"peakflat train {self.config.name}: {counts.total / 1e6:.2f}M parameters "
+                f"({counts.expert_total / 1e6:.2f}M in experts) on {mop.describe(self.mesh)}; "
+                f"moe {ops.moe_dispatch}, loss {ops.loss}, offload {sum(self.offload)}/"
+                f"{len(self.offload)} boundaries, optimizer "
+                f"{'offloaded' if self.offloaded_optimizer else 'on device'}, attention "
+                f"{self.run.attention}; step {state.step} of {self.total_steps}")
+
+    def summary(self, history: list[dict], state: TrainState) -> dict:
+        timed = history[1:] or history  # the first step's time includes warming up
+        def median(key):
+            values = [r[key] for r in timed if r.get(key) is not None]
+            return float(np.median(values)) if values else None
+        return {
+            "config": self.config.name, "steps": state.step,
+            "first_loss": history[0]["loss"] if history else None,
+            "final_loss": history[-1]["loss"] if history else None,
+            "losses": [r["loss"] for r in history],
+            "median_step_seconds": median("step_seconds"),
+            "tokens_per_second": median("tokens_per_second"),
+            "model_tflops_per_device": median("model_tflops_per_device"),
+            "mfu": median("mfu"),
+            "peak_device_bytes": max((r["peak_device_bytes"] or 0 for r in history),
+                                     default=None) or None,
+            "host_bytes": max((r["host_bytes"] for r in history), default=0),
+            "xla_plan_bytes": getattr(self, "xla_plan", None) and self.xla_plan.total,
+            "devices": mop.num_devices(self.mesh),
+            "device_kind": jax.devices()[0].device_kind,
+        }
+
+
+def optax_global_norm(tree) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
+                        for g in jax.tree.leaves(tree)))
+
+
+def format_summary(summary: dict) -> str:
+    def fmt(value, unit="", scale=1.0, digits=2):
+        return "n/a" if value is None else f"{value / scale:,.{digits}f}{unit}"
+    lines = [
+        f"done: {summary['steps']} steps of {summary['config']} on {summary['devices']} x "
+        f"{summary['device_kind']}",
+        f"  loss {fmt(summary['first_loss'], digits=4)} -> {fmt(summary['final_loss'], digits=4)}",
+        f"  {fmt(summary['tokens_per_second'], ' tokens/s', digits=0)}, "
+        f"{fmt(summary['median_step_seconds'], ' s/step', digits=3)}, "
+        f"{fmt(summary['model_tflops_per_device'], ' model TFLOP/s per device')}, "
+        f"MFU {fmt(summary['mfu'] and summary['mfu'] * 100, '%', digits=1)}",
+        f"  peak device memory {fmt(summary['peak_device_bytes'], ' GiB', 2**30)} (XLA's plan "
+        f"{fmt(summary['xla_plan_bytes'], ' GiB', 2**30)}), host {fmt(summary['host_bytes'], ' GiB', 2**30)}",
+    ]
+    return "\n".join(lines)
+
+
+def train(config: Config, *, resume: bool = False, run_dir: str | None = None,
+          progress: bool | None = None) -> dict:
+    """Runs ``config`` and returns the summary (also written to run_dir/summary.json)."""
+    if os.environ.get("PEAKFLAT_DEBUG_NANS"):
+        jax.config.update("jax_debug_nans", True)
+    return Trainer(config, run_dir=run_dir).run(resume=resume, progress=progress)
+
+
+__all__ = ["DoesNotFit", "Trainer", "TrainState", "train", "math"]
