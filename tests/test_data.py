@@ -6,6 +6,7 @@ import dataclasses
 import gc
 import json
 import pathlib
+import time
 import tracemalloc
 
 import grain
@@ -203,23 +204,24 @@ def test_exact_resume_from_json_state(tmp_path, rng, source, process_count):
     data = DataConfig(source=source, corpus_path=str(tmp_path / "corpus.txt"), seq_len=12,
                       batch_size=2, max_segments=2, seed=int(rng.integers(1000)))
     index = int(rng.integers(process_count))
-    iterator = pf_data.make_batches(data, vocab_size=260, process_index=index,
+    def make():
+        return pf_data.make_batches(data, vocab_size=260, process_index=index,
                                     process_count=process_count)
-    states = []
+
+    iterator = make()
+    states, batches = [], []
     for _ in range(12):
         states.append(json.loads(json.dumps(iterator.get_state())))
-        next(iterator)
+        batches.append(next(iterator))
+    batches += take(iterator, 3)
     if source == "corpus":
         closed = [state for state in states
                   if all(tuple(s) == (-1, -1) for s in state["remainder_slices"].values())]
         assert len(closed) >= 2
     for step, state in enumerate(states):
-        expected = take(pf_data.make_batches(data, vocab_size=260, process_index=index,
-                                             process_count=process_count), step + 3)[step:]
-        fresh = pf_data.make_batches(data, vocab_size=260, process_index=index,
-                                     process_count=process_count)
+        fresh = make()
         fresh.set_state(state)
-        assert_batches_equal(take(fresh, 3), expected)
+        assert_batches_equal(take(fresh, 3), batches[step:step + 3])
 
 
 def test_orbax_checkpoint_manager_restores_the_iterator(tmp_path, rng):
@@ -263,7 +265,7 @@ def test_processes_split_the_global_batch(tmp_path, rng, source):
     data = DataConfig(source=source, corpus_path=str(tmp_path / "corpus.txt"), seq_len=16,
                       batch_size=8, max_segments=3, seed=int(rng.integers(1000)))
     whole = take(pf_data.make_batches(data, vocab_size=260), 5)
-    for process_count in (2, 4, 8):
+    for process_count in (2, 8):
         parts = [take(pf_data.make_batches(data, vocab_size=260, process_index=p,
                                            process_count=process_count), 5)
                  for p in range(process_count)]
@@ -338,10 +340,11 @@ def measured_peak(iterator) -> int:
 def test_host_memory_bound(tmp_path, rng, source, seq_len, batch_size, process_count,
                            max_segments):
     """pipeline_host_bytes against tracemalloc's peak while a batch is made. The corpus has
-    documents of 2 to 20,000 bytes, so new long documents are tokenized within the measured
-    batch. Measured peak / bound: synthetic 1 M x 1 0.83, 4096 x 8 / 2 0.69; corpus 4096 x 8
-    with S = 32 0.78, 4096 x 8 / 4 with S = 1024 0.52 (the S B term is loose there), 256 x 32
-    with S = 64 0.42 (there the bound is mostly the per-piece Python-object allowance)."""
+    documents of 2 and of 20,000 bytes, so long documents are tokenized within the measured
+    batches and the segment cap binds. Measured peak / bound: synthetic 1 M x 1 0.83, 4096 x 8
+    over 2 processes 0.91; corpus 4096 x 8 with S = 32 0.81, 256 x 32 with S = 64 0.50 (the
+    2 KiB-per-piece allowance for Python objects is set by such small pieces), 4096 x 8 over 4
+    processes with S = 1024 0.25 (that allowance is loose at large S)."""
     write_corpus(tmp_path / "corpus.txt", rng, [2] * 200 + [20_000] * 3, distinct=False)
     data = DataConfig(source=source, corpus_path=str(tmp_path / "corpus.txt"), seq_len=seq_len,
                       batch_size=batch_size, max_segments=max_segments)
@@ -353,6 +356,36 @@ def test_host_memory_bound(tmp_path, rng, source, seq_len, batch_size, process_c
     print(f"peak {peak} bound {bound} ratio {peak / bound:.2f}")
     assert peak <= bound
     assert peak >= 4 * 4 * seq_len * batch_size // process_count  # the outputs themselves
+
+
+@pytest.mark.parametrize("source", ["corpus", "synthetic"])
+def test_host_memory_bound_with_prefetch(tmp_path, rng, source):
+    """With 3 batches made ahead: tracemalloc's peak from the iterator's making, with the
+    caller holding its first batch, while the thread fills its buffer, against the bound plus
+    that held batch. Measured peak / bound: corpus 0.81 to 0.98 (as the thread's timing falls),
+    synthetic 0.99: the bound is what is held (the caller's batch, three queued, and a fourth
+    made while the queue is full), its margin the 4 KiB of Python objects allowed per batch."""
+    write_corpus(tmp_path / "corpus.txt", rng, [2] * 200 + [20_000] * 3, distinct=False)
+    data = DataConfig(source=source, corpus_path=str(tmp_path / "corpus.txt"), seq_len=4096,
+                      batch_size=8, max_segments=32)
+    info = pf_data.describe(data)
+    held = 4 * 4 * data.seq_len * data.batch_size
+    bound = held + pf_data.pipeline_host_bytes(
+        data, prefetch=3, longest_document=info.get("longest_document", 0))
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        iterator = pf_data.make_batches(data, vocab_size=260, prefetch=3)
+        batch = next(iterator)
+        time.sleep(0.5)  # the thread makes 3 more batches (a few ms each)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    del batch, iterator
+    print(f"peak {peak} bound {bound} ratio {peak / bound:.2f}")
+    assert peak <= bound
+    assert peak >= 4 * held  # the thread did fill its buffer
 
 
 # ----------------------------------------------------------------------------------------------

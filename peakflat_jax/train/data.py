@@ -45,9 +45,12 @@ JSON-ready dict (a document counter and where the open document was cut; never t
 a fresh iterator with ``grain.checkpoint.CheckpointRestore(iterator)`` (one JSON file per
 process).
 
+Threads. None by default: every batch is made on the caller's thread when asked for.
+``make_batches(..., prefetch=n)`` makes up to n batches ahead on one background thread (Grain's
+``ThreadPrefetchIterDataset``), with the same batches and states.
+
 Host memory: ``pipeline_host_bytes`` (per process, beyond the corpus text, which is held once;
-``HOST_MEMORY_FORMULA`` states it). No threads and no prefetch: every batch is made on the
-caller's thread when asked for.
+``HOST_MEMORY_FORMULA`` states it).
 
 Legend: B global batch (``data.batch_size``), P processes, B_p = B / P rows per process, T
 sequence length (``data.seq_len``), S most segments per sequence (``data.max_segments``), V
@@ -91,14 +94,15 @@ IGNORE = -100
 DEFAULT_CORPUS = pathlib.Path(__file__).resolve().parent / "corpus" / "kjv_genesis_exodus.txt"
 """The corpus used when ``data.corpus_path`` is None."""
 
-HOST_MEMORY_FORMULA = ("corpus: 4 T (3 B + 5 B_p) + 8 (L + 2) + 2048 (S + B) + 16 prefetch B_p T; "
-                       "synthetic: 4 T (4 B_p + 2) + 16384 + 16 prefetch B_p T (bytes)")
+HOST_MEMORY_FORMULA = ("corpus: 4 T (3 B + 5 B_p) + 8 (L + 2) + 2048 (S + B) + prefetch Q; "
+                       "synthetic: 4 T (4 B_p + 2) + 16384 + prefetch Q; Q = 16 B_p T + 4096 "
+                       "(bytes)")
 """``pipeline_host_bytes`` as a formula. Corpus: the int32 tokens, segment ids and positions of
 the B packed sequences of a global batch (3 B T), this process's four outputs and the masks and
 copies that make them (5 B_p T), the int32 tokens of the open document and the next one (L: the
 longest document's bytes), and the Python objects of up to S pieces and B sequences. Synthetic:
-the four outputs and one row and one arange of temporaries. Each prefetched batch adds its four
-outputs."""
+the four outputs and one row and one arange of temporaries. Each prefetched batch adds Q, its
+four outputs and their Python objects."""
 
 # The meta feature that gives every document piece one of the S slots of its sequence.
 _SEGMENT_SLOT = "segment_slot"
@@ -184,7 +188,7 @@ def pipeline_host_bytes(data: DataConfig, *, process_count: int = 1, prefetch: i
     L, in bytes, from ``describe``). Held against tracemalloc's peak in tests/test_data.py."""
     t, b = data.seq_len, data.batch_size
     rows = b // process_count
-    prefetched = 16 * prefetch * rows * t
+    prefetched = prefetch * (16 * rows * t + 4096)
     if data.source == "synthetic":
         return 4 * t * (4 * rows + 2) + 16384 + prefetched
     return (4 * t * (3 * b + 5 * rows) + 8 * (longest_document + 2)
