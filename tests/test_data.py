@@ -125,7 +125,7 @@ def test_next_token_targets_rule():
 
 
 @pytest.mark.parametrize("seq_len, max_segments", [(16, 3), (37, 2), (64, 8), (8, 1)])
-def test_packing_matches_reference(tmp_path, rng, seq_len, max_segments):
+def test_packing_matches_reference(tmp_path, rng, caplog, seq_len, max_segments):
     """Short documents (the segment cap binds), documents longer than a sequence (split and
     continued), two epochs: the batches equal the plain reference packer's on the documents in
     the order the batches hold them, and every epoch holds each document once."""
@@ -179,6 +179,7 @@ def test_packing_matches_reference(tmp_path, rng, seq_len, max_segments):
     assert continued.any() and (positions[continued, 0] == 0).all()
     if max_segments < 4:
         assert pad.any()  # the cap closed some sequences early
+        assert not [r for r in caplog.records if "limited packing" in r.getMessage()]
 
 
 def test_seed_decides_the_order(tmp_path, rng):

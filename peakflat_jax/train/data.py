@@ -301,8 +301,10 @@ class _RestorableSplitsIterator(grain.DatasetIterator):
         return self._parent.get_state()
 
     def set_state(self, state: dict[str, Any]):
-        slices = {key: tuple(value) for key, value in state["remainder_slices"].items()}
-        self._parent.set_state({**state, "remainder_slices": slices})
+        if "remainder_slices" in state:  # grain 0.2.18's state layout
+            state = {**state, "remainder_slices": {
+                key: tuple(value) for key, value in state["remainder_slices"].items()}}
+        self._parent.set_state(state)
 
 
 class _DropSegmentCapMessages(logging.Filter):
