@@ -413,7 +413,10 @@ def test_errors_name_the_key(tmp_path):
           error=ValueError, process_index=2, process_count=2)
     fails(r"process_count", error=ValueError, process_count=0)
     fails(r"prefetch", error=ValueError, prefetch=-1)
-    fails(r"model\.vocab_size: the corpus source needs at least 260, got 256", vocab_size=256)
+    fails(r"model\.vocab_size: the corpus source needs 260 <= vocab_size < 2\*\*31 "
+          r"\(int32 tokens\), got 256", vocab_size=256)
+    fails(r"model\.vocab_size: the synthetic source needs 1 <= ", DataConfig(source="synthetic"),
+          vocab_size=2**31)
     fails(r"data\.seq_len: expected a positive integer, got 0", DataConfig(seq_len=0))
     fails(r"data\.max_segments", DataConfig(max_segments=0))
     fails(r"data\.seed", DataConfig(seed=-1))

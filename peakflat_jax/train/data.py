@@ -117,8 +117,8 @@ def make_batches(data: DataConfig, *, vocab_size: int, process_index: int = 0,
     ``get_state`` / ``set_state``. ``prefetch`` > 0 makes up to that many batches ahead on one
     background thread (Grain's ThreadPrefetchIterDataset; the same batches and states); 0 makes
     each when asked for. Raises ConfigError naming the key (``data.batch_size`` when P does not
-    divide it, ``data.corpus_path`` when the file is missing or unreadable) before anything is
-    read."""
+    divide it, ``data.corpus_path`` when the file is missing, not UTF-8 or empty) when called,
+    not at the first batch."""
     _check(data, vocab_size=vocab_size, process_index=process_index,
            process_count=process_count)
     if prefetch < 0:
@@ -223,8 +223,8 @@ def _check(data: DataConfig, *, vocab_size: int, process_index: int, process_cou
                           f"over {process_count} processes")
     low = BYTE_VOCAB_SIZE if data.source == "corpus" else 1
     if not low <= vocab_size <= np.iinfo(np.int32).max:
-        raise ConfigError(f"model.vocab_size: the {data.source} source needs at least {low}, "
-                          f"got {vocab_size}")
+        raise ConfigError(f"model.vocab_size: the {data.source} source needs {low} <= "
+                          f"vocab_size < 2**31 (int32 tokens), got {vocab_size}")
     if data.source == "corpus" and not _corpus_path(data.corpus_path).is_file():
         raise ConfigError(f"data.corpus_path: no such file "
                           f"{str(_corpus_path(data.corpus_path))!r}")
