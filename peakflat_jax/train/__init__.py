@@ -1,0 +1,1 @@
+"""The training loop's parts: data batches, checkpoints, metrics."""

@@ -1,0 +1,318 @@
+"""Training batches: a byte-level text corpus packed into sequences, or synthetic tokens, as one
+Grain pipeline whose iterator state checkpoints (resume is exact).
+
+Tokens. A document is ``[BOS] + its UTF-8 bytes + [EOS]``: bytes are tokens 0..255, BOS = 256,
+EOS = 257, PAD = 258 (259 is reserved), so the vocabulary is 260. The corpus is one text file
+whose documents are separated by blank lines (``data.corpus_path``; by default the King James
+Genesis and Exodus shipped in ``corpus/``, one chapter a document). Nothing is downloaded.
+
+Packing (Grain's ``ConcatThenSplitIterDataset``). The shuffled documents are concatenated into
+one stream that is cut every T tokens; a document that does not fit in what is left of a
+sequence is split, and its rest opens the next sequence (the next row of the batch, or the
+first row of the next batch), so there is no padding in the ordinary case. Each piece of a
+document in a sequence is a segment: ``segment_ids`` count them 1, 2, ... within the sequence,
+0 on padding; ``positions`` count 0, 1, ... within each piece, so a continued document's
+positions RESTART at 0 in the next sequence (it is a new segment there and attends only to
+itself). At most S = ``data.max_segments`` pieces share a sequence (the attention kernels take
+the document boundaries as a static-size list): every piece carries a one-slot meta feature
+whose packed length is S, and when the S slots are taken the sequence is closed and the rest of
+it is padding (PAD tokens, segment id 0, position 0).
+
+Targets. ``targets[t] = tokens[t + 1]`` when position t + 1 is in the same segment as t, else
+IGNORE = -100. So no target crosses a document boundary (EOS is never asked to predict the next
+document's BOS), padding has none, and the last position of a sequence has none, including when
+its document continues in the next sequence (that next byte is predicted by nothing: the cost
+is one target per split, and the rule stays a function of the one sequence). The loss averages
+over targets != IGNORE.
+
+Epochs. ``MapDataset.shuffle(seed).repeat()``: a permutation of the documents drawn from
+``data.seed`` for every epoch, epochs following each other for ever (a sequence may hold the end
+of one epoch and the start of the next).
+
+Synthetic source. Uniformly random tokens in [0, V), one document per sequence
+(``segment_ids`` all 1, ``positions`` 0..T-1, ``targets`` the next token, the last IGNORE); row
+r of the global stream is drawn from its own generator seeded by ``(data.seed, r)``, so a batch
+costs the O(B_p T) of drawing its own rows, at any T.
+
+Processes. Every process runs the same global pipeline (global batch B = ``data.batch_size``)
+and keeps rows [p B_p, (p + 1) B_p) of each batch, B_p = B / P: the P processes' batches,
+concatenated in process order, are the batch that one process would see.
+
+Iterator state. ``make_batches`` returns a ``grain.DatasetIterator``: ``get_state()`` is a small
+JSON-ready dict (a document counter and where the open document was cut; never token data),
+``set_state()`` restores it exactly. Grain's orbax handler saves it beside the model:
+``ocp.args.Composite(..., data=grain.checkpoint.CheckpointSave(iterator))`` and restores it into
+a fresh iterator with ``grain.checkpoint.CheckpointRestore(iterator)`` (one JSON file per
+process).
+
+Threads. None by default: every batch is made on the caller's thread when asked for.
+``make_batches(..., prefetch=n)`` makes up to n batches ahead on one background thread (Grain's
+``ThreadPrefetchIterDataset``), with the same batches and states.
+
+Host memory: ``pipeline_host_bytes`` (per process, beyond the corpus text, which is held once;
+``HOST_MEMORY_FORMULA`` states it).
+
+Legend: B global batch (``data.batch_size``), P processes, B_p = B / P rows per process, T
+sequence length (``data.seq_len``), S most segments per sequence (``data.max_segments``), V
+vocabulary.
+
+Why so. Packing is sequential (where a sequence starts depends on every sequence before it), so
+processes cannot each pack a share of the documents and still form one process's batch: each
+packs the whole stream, which is a copy of B T tokens per step. Concatenate-then-split rather
+than first-fit bin packing because it pads only when the segment cap binds and keeps a split
+document's pieces in consecutive sequences; Grain's transform does this and restores its state
+by replaying at most one sequence, so it is used rather than code of our own. The targets are
+derived from the packed sequence (not carried through packing) so that the boundary rule is one
+line that a test can state.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import pathlib
+import re
+import sys
+from typing import Any
+
+import grain
+import numpy as np
+
+from peakflat_jax.config import ConfigError, DataConfig
+
+BOS = 256
+"""Opens every document."""
+EOS = 257
+"""Closes every document."""
+PAD = 258
+"""Fills a sequence after its last segment."""
+BYTE_VOCAB_SIZE = 260
+"""256 bytes, BOS, EOS, PAD and one reserved id."""
+IGNORE = -100
+"""A target that the loss skips."""
+
+DEFAULT_CORPUS = pathlib.Path(__file__).resolve().parent / "corpus" / "kjv_genesis_exodus.txt"
+"""The corpus used when ``data.corpus_path`` is None."""
+
+HOST_MEMORY_FORMULA = ("corpus: 4 T (3 B + 5 B_p) + 8 (L + 2) + 2048 (S + B) + prefetch Q; "
+                       "synthetic: 4 T (4 B_p + 2) + 16384 + prefetch Q; Q = 16 B_p T + 4096 "
+                       "(bytes)")
+"""``pipeline_host_bytes`` as a formula. Corpus: the int32 tokens, segment ids and positions of
+the B packed sequences of a global batch (3 B T), this process's four outputs and the masks and
+copies that make them (5 B_p T), the int32 tokens of the open document and the next one (L: the
+longest document's bytes), and the Python objects of up to S pieces and B sequences. Synthetic:
+the four outputs and one row and one arange of temporaries. Each prefetched batch adds Q, its
+four outputs and their Python objects."""
+
+# The meta feature that gives every document piece one of the S slots of its sequence.
+_SEGMENT_SLOT = "segment_slot"
+# Grain's read options: no threads, no prefetch buffer.
+_READ_OPTIONS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+
+
+def make_batches(data: DataConfig, *, vocab_size: int, process_index: int = 0,
+                 process_count: int = 1, prefetch: int = 0) -> grain.DatasetIterator:
+    """This process's batches for ever: dicts of int32 numpy arrays [B_p, T] ``tokens``,
+    ``targets``, ``segment_ids``, ``positions`` (module docstring). The iterator has Grain's
+    ``get_state`` / ``set_state``. ``prefetch`` > 0 makes up to that many batches ahead on one
+    background thread (Grain's ThreadPrefetchIterDataset; the same batches and states); 0 makes
+    each when asked for. Raises ConfigError naming the key (``data.batch_size`` when P does not
+    divide it, ``data.corpus_path`` when the file is missing, not UTF-8 or empty) when called,
+    not at the first batch."""
+    _check(data, vocab_size=vocab_size, process_index=process_index,
+           process_count=process_count)
+    if prefetch < 0:
+        raise ValueError(f"prefetch: expected a non-negative integer, got {prefetch}")
+    rows = data.batch_size // process_count
+    first_row = process_index * rows
+    if data.source == "synthetic":
+        batches = grain.MapDataset.range(sys.maxsize).map(functools.partial(
+            _synthetic_batch, data=data, vocab_size=vocab_size, first_row=first_row,
+            rows=rows)).to_iter_dataset(_READ_OPTIONS)
+    else:
+        batches = _packed_batches(data, first_row=first_row, rows=rows)
+    if prefetch:
+        batches = grain.experimental.ThreadPrefetchIterDataset(
+            batches, prefetch_buffer_size=prefetch)
+    return iter(batches)
+
+
+def describe(data: DataConfig) -> dict[str, Any]:
+    """A few facts for the trainer's banner: the source, and for a corpus its path, documents,
+    bytes, tokens per epoch (bytes + BOS and EOS of each document) and the longest document's
+    bytes (``pipeline_host_bytes``'s L)."""
+    if data.source == "synthetic":
+        return {"source": "synthetic", "tokens_per_step": data.batch_size * data.seq_len}
+    documents = read_documents(data.corpus_path)
+    size = sum(len(document) for document in documents)
+    return {"source": "corpus", "path": str(_corpus_path(data.corpus_path)),
+            "documents": len(documents), "bytes": size, "tokens": size + 2 * len(documents),
+            "longest_document": max(len(document) for document in documents),
+            "tokens_per_step": data.batch_size * data.seq_len}
+
+
+def read_documents(corpus_path: str | None) -> list[bytes]:
+    """The documents of a UTF-8 text file (``data.corpus_path``; None: ``DEFAULT_CORPUS``):
+    the text between blank lines (lines of spaces and tabs count as blank), stripped of
+    whitespace at both ends, empty ones dropped. Raises ConfigError naming data.corpus_path."""
+    path = _corpus_path(corpus_path)
+    if not path.is_file():
+        raise ConfigError(f"data.corpus_path: no such file {str(path)!r}")
+    raw = path.read_bytes()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"data.corpus_path: {str(path)!r} is not UTF-8 text (byte "
+                          f"{error.start}: {error.reason})") from None
+    documents = [document.strip() for document in re.split(rb"\r?\n[ \t]*\r?\n", raw)]
+    documents = [document for document in documents if document]
+    if not documents:
+        raise ConfigError(f"data.corpus_path: {str(path)!r} holds no text")
+    return documents
+
+
+def next_token_targets(tokens: np.ndarray, segment_ids: np.ndarray) -> np.ndarray:
+    """``targets[..., t] = tokens[..., t + 1]`` where t and t + 1 are in one segment (id > 0),
+    else IGNORE: the boundary rule of the module docstring."""
+    targets = np.full_like(tokens, IGNORE)
+    same_segment = segment_ids[..., 1:] == segment_ids[..., :-1]
+    same_segment &= segment_ids[..., :-1] > 0
+    np.copyto(targets[..., :-1], tokens[..., 1:], where=same_segment)
+    return targets
+
+
+def pipeline_host_bytes(data: DataConfig, *, process_count: int = 1, prefetch: int = 0,
+                        longest_document: int = 0) -> int:
+    """Host bytes the pipeline allocates while it makes a batch, per process, beyond the corpus
+    text and the batch the caller still holds (``HOST_MEMORY_FORMULA``; ``longest_document`` is
+    L, in bytes, from ``describe``). Held against tracemalloc's peak in tests/test_data.py."""
+    t, b = data.seq_len, data.batch_size
+    rows = b // process_count
+    prefetched = prefetch * (16 * rows * t + 4096)
+    if data.source == "synthetic":
+        return 4 * t * (4 * rows + 2) + 16384 + prefetched
+    return (4 * t * (3 * b + 5 * rows) + 8 * (longest_document + 2)
+            + 2048 * (data.max_segments + b) + prefetched)
+
+
+# ----------------------------------------------------------------------------------------------
+# The pieces of the pipeline.
+
+
+def _corpus_path(corpus_path: str | None) -> pathlib.Path:
+    return DEFAULT_CORPUS if corpus_path is None else pathlib.Path(corpus_path).expanduser()
+
+
+def _check(data: DataConfig, *, vocab_size: int, process_index: int, process_count: int):
+    """ConfigError (or ValueError for the process arguments) naming what is wrong."""
+    if data.source not in ("corpus", "synthetic"):
+        raise ConfigError(f"data.source: expected 'corpus' or 'synthetic', got {data.source!r}")
+    for key, value in (("data.seq_len", data.seq_len), ("data.batch_size", data.batch_size),
+                       ("data.max_segments", data.max_segments)):
+        if value < 1:
+            raise ConfigError(f"{key}: expected a positive integer, got {value}")
+    if data.seed < 0:
+        raise ConfigError(f"data.seed: expected a non-negative integer, got {data.seed}")
+    if process_count < 1:
+        raise ValueError(f"process_count: expected a positive integer, got {process_count}")
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index: expected 0 <= process_index < process_count = "
+                         f"{process_count}, got {process_index}")
+    if data.batch_size % process_count:
+        raise ConfigError(f"data.batch_size: {data.batch_size} sequences do not split evenly "
+                          f"over {process_count} processes")
+    low = BYTE_VOCAB_SIZE if data.source == "corpus" else 1
+    if not low <= vocab_size <= np.iinfo(np.int32).max:
+        raise ConfigError(f"model.vocab_size: the {data.source} source needs {low} <= "
+                          f"vocab_size < 2**31 (int32 tokens), got {vocab_size}")
+    if data.source == "corpus" and not _corpus_path(data.corpus_path).is_file():
+        raise ConfigError(f"data.corpus_path: no such file "
+                          f"{str(_corpus_path(data.corpus_path))!r}")
+
+
+def _packed_batches(data: DataConfig, *, first_row: int, rows: int) -> grain.IterDataset:
+    """The corpus pipeline: documents shuffled, repeated, tokenized, packed, batched."""
+    documents = read_documents(data.corpus_path)
+    stream = (grain.MapDataset.source(documents)
+              .shuffle(seed=data.seed)
+              .repeat()
+              .map(_document_features)
+              .to_iter_dataset(_READ_OPTIONS))
+    sequences = grain.experimental.ConcatThenSplitIterDataset(
+        stream, length_struct={"tokens": data.seq_len, _SEGMENT_SLOT: data.max_segments},
+        meta_features=(_SEGMENT_SLOT,))
+    batches = _RestorableSplits(sequences).batch(
+        data.batch_size, drop_remainder=True,
+        batch_fn=functools.partial(_process_rows, first_row=first_row, rows=rows))
+    return batches
+
+
+def _document_features(document: bytes) -> dict[str, np.ndarray]:
+    """One document as Grain packs it: its tokens and one segment slot."""
+    tokens = np.empty(len(document) + 2, np.int32)
+    tokens[0], tokens[-1] = BOS, EOS
+    tokens[1:-1] = np.frombuffer(document, np.uint8)
+    return {"tokens": tokens, _SEGMENT_SLOT: np.zeros(1, np.int32)}
+
+
+def _process_rows(sequences: list[dict[str, np.ndarray]], *, first_row: int,
+                  rows: int) -> dict[str, np.ndarray]:
+    """This process's rows of a global batch of packed sequences, with PAD and targets."""
+    mine = sequences[first_row:first_row + rows]
+    segment_ids = np.stack([sequence["tokens_segment_ids"] for sequence in mine])
+    tokens = np.stack([sequence["tokens"] for sequence in mine])
+    tokens[segment_ids == 0] = PAD
+    return {"tokens": tokens, "targets": next_token_targets(tokens, segment_ids),
+            "segment_ids": segment_ids,
+            "positions": np.stack([sequence["tokens_positions"] for sequence in mine])}
+
+
+def _synthetic_batch(step: int, *, data: DataConfig, vocab_size: int, first_row: int,
+                     rows: int) -> dict[str, np.ndarray]:
+    """Rows [first_row, first_row + rows) of global batch ``step`` of uniform random tokens."""
+    t = data.seq_len
+    tokens = np.empty((rows, t), np.int32)
+    for row in range(rows):
+        generator = np.random.default_rng((data.seed, step * data.batch_size + first_row + row))
+        tokens[row] = generator.integers(0, vocab_size, t, dtype=np.int32)
+    targets = np.full_like(tokens, IGNORE)
+    targets[:, :-1] = tokens[:, 1:]
+    return {"tokens": tokens, "targets": targets, "segment_ids": np.ones_like(tokens),
+            "positions": np.tile(np.arange(t, dtype=np.int32), (rows, 1))}
+
+
+class _RestorableSplits(grain.IterDataset):
+    """Grain's concat-then-split packing with a state that survives JSON.
+
+    Its state marks "no document open" with the tuple (-1, -1); JSON (how Grain's orbax handler
+    stores states) turns it into a list, which grain 0.2.18's ``set_state`` reads as an open
+    document cut at [-1:-1], so the restored iterator packs an empty segment and drops a
+    document. Turning the lists back into tuples restores it exactly."""
+
+    def __iter__(self) -> grain.DatasetIterator:
+        return _RestorableSplitsIterator(self._parent.__iter__())
+
+
+class _RestorableSplitsIterator(grain.DatasetIterator):
+    def __next__(self):
+        return next(self._parent)
+
+    def get_state(self) -> dict[str, Any]:
+        return self._parent.get_state()
+
+    def set_state(self, state: dict[str, Any]):
+        if "remainder_slices" in state:  # grain 0.2.18's state layout
+            state = {**state, "remainder_slices": {
+                key: tuple(value) for key, value in state["remainder_slices"].items()}}
+        self._parent.set_state(state)
+
+
+class _DropSegmentCapMessages(logging.Filter):
+    """Grain logs an error each time a packed sequence is closed because its meta feature is
+    full; for the segment slot that is the ``data.max_segments`` cap doing its work."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(f"Meta feature '{_SEGMENT_SLOT}' limited")
+
+
+logging.getLogger("absl").addFilter(_DropSegmentCapMessages())
