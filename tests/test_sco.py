@@ -1,9 +1,13 @@
-"""SCO: values and gradients equal the checkpointed scan; transfers placed as chosen; budgets."""
+"""SCO: values and gradients equal the checkpointed scan (single-array and pytree carries);
+transfers placed as chosen and tied in order; budgets; the bound against XLA's CPU plan."""
+
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import iter_eqns, iter_jaxprs, relative_error
 from conftest import make_mesh
 from jax.sharding import PartitionSpec as P
 
@@ -11,29 +15,63 @@ import peakflat_jax as pf
 from peakflat_jax import memory, skew
 from peakflat_jax.ops import sco
 
-LAYERS, TOKENS, HIDDEN = 5, 8, 6
+LAYERS, TOKENS, HIDDEN, EXPERTS = 5, 8, 6, 4
 
 
 def layer_fn(h, p):
     return h + jnp.tanh(h @ p["w"] + p["b"]) * p["scale"]
 
 
+def routed_layer(carry, p):
+    """A layer with side outputs through the stack: a router's per-expert load (f32 [E]) and an
+    auxiliary loss (f32 scalar) ride in the carry with h."""
+    h, load, aux = carry
+    probs = jax.nn.softmax(h @ p["router"], axis=-1)
+    return layer_fn(h, p), load + probs.sum(0), aux + jnp.mean(probs**2) * p["scale"]
+
+
 def draw(rng):
     params = {"w": rng.standard_normal((LAYERS, HIDDEN, HIDDEN)) / 3,
               "b": rng.standard_normal((LAYERS, HIDDEN)),
-              "scale": rng.standard_normal((LAYERS,))}
+              "scale": rng.standard_normal((LAYERS,)),
+              "router": rng.standard_normal((LAYERS, HIDDEN, EXPERTS))}
     params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
     h = jnp.asarray(rng.standard_normal((TOKENS, HIDDEN)), jnp.float32)
     return h, params, jnp.asarray(rng.standard_normal((TOKENS, HIDDEN)), jnp.float32)
 
 
-def checkpointed_scan(layer_fn, h, params):
-    return jax.lax.scan(lambda h, p: (jax.checkpoint(layer_fn)(h, p), None), h, params)[0]
+def draw_routed(rng):
+    h, params, d_h = draw(rng)
+    carry = (h, jnp.asarray(rng.random(EXPERTS), jnp.float32), jnp.float32(rng.random()))
+    cotangent = (d_h, jnp.asarray(rng.standard_normal(EXPERTS), jnp.float32),
+                 jnp.float32(rng.standard_normal()))
+    return carry, params, cotangent
 
 
-def value_and_grads(fn, h, params, cotangent):
-    return jax.jit(jax.value_and_grad(lambda h, p: jnp.vdot(fn(h, p), cotangent),
-                                      argnums=(0, 1)))(h, params)
+def sco_stack(offload):
+    """``pf.sco_scan`` with ``offload`` fixed, called like ``checkpointed_scan``."""
+    return lambda layer_fn, carry, params: pf.sco_scan(layer_fn, carry, params, offload=offload)
+
+
+def checkpointed_scan(layer_fn, carry, params):
+    return jax.lax.scan(lambda c, p: (jax.checkpoint(layer_fn)(c, p), None), carry, params)[0]
+
+
+def value_and_grads(fn, carry, params, cotangent):
+    """The carry's value and the gradients w.r.t. every leaf of carry and params of
+    <fn(carry, params), cotangent>."""
+    def weighted(carry, params):
+        return sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(fn(carry, params)),
+                                                  jax.tree.leaves(cotangent)))
+
+    value = jax.jit(fn)(carry, params)
+    return value, jax.jit(jax.grad(weighted, argnums=(0, 1)))(carry, params)
+
+
+def assert_equal_trees(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
 
 
 BOUNDARY_BYTES = TOKENS * HIDDEN * 4
@@ -44,28 +82,38 @@ OFFLOADS = [0, 2, LAYERS, [True, False, True, False, True], [False] * 4 + [True]
 @pytest.mark.parametrize("offload", OFFLOADS, ids=str)
 def test_equals_checkpointed_scan(rng, offload):
     h, params, cotangent = draw(rng)
-    value, grads = value_and_grads(lambda h, p: pf.sco_scan(layer_fn, h, p, offload=offload),
-                                   h, params, cotangent)
-    ref_value, ref_grads = value_and_grads(lambda h, p: checkpointed_scan(layer_fn, h, p),
-                                           h, params, cotangent)
+    result = value_and_grads(lambda h, p: pf.sco_scan(layer_fn, h, p, offload=offload),
+                             h, params, cotangent)
+    expected = value_and_grads(lambda h, p: checkpointed_scan(layer_fn, h, p), h, params,
+                               cotangent)
     # The same operations in the same order: equal, not merely close.
-    np.testing.assert_array_equal(value, ref_value)
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-        np.testing.assert_array_equal(a, b)
+    assert_equal_trees(result, expected)
+
+
+@pytest.mark.parametrize("offload", [0, 2, LAYERS, [False, True, False, True, True]], ids=str)
+def test_pytree_carry_equals_checkpointed_scan(rng, offload):
+    """A carry of (h, f32 [E] load counter, f32 scalar aux loss): values and the gradients
+    w.r.t. every carry leaf and every parameter, bit for bit."""
+    carry, params, cotangent = draw_routed(rng)
+    result = value_and_grads(lambda c, p: pf.sco_scan(routed_layer, c, p, offload=offload),
+                             carry, params, cotangent)
+    expected = value_and_grads(lambda c, p: checkpointed_scan(routed_layer, c, p), carry,
+                               params, cotangent)
+    assert_equal_trees(result, expected)
+    assert all(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(result[1]))
 
 
 def transfers(jaxpr) -> list[str]:
     """The memory space of every device_put in a jaxpr, nested jaxprs included, in order."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "device_put":
-            found += [str(d) for d in eqn.params["devices"]]
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += transfers(inner)
-    return found
+    return [str(d) for eqn in iter_eqns(jaxpr, "device_put") for d in eqn.params["devices"]]
+
+
+def grad_jaxpr(layer, carry, params, offload):
+    def loss(carry, params):
+        return sum(jnp.sum(leaf) for leaf in jax.tree.leaves(pf.sco_scan(
+            layer, carry, params, offload=offload)) if jnp.issubdtype(leaf.dtype, jnp.inexact))
+
+    return jax.make_jaxpr(jax.grad(loss, argnums=(0, 1), allow_int=True))(carry, params).jaxpr
 
 
 @pytest.mark.parametrize("offload, expected", [
@@ -73,73 +121,89 @@ def transfers(jaxpr) -> list[str]:
 ])
 def test_gradient_moves_exactly_the_chosen_boundaries(rng, offload, expected):
     h, params, _ = draw(rng)
-    jaxpr = jax.make_jaxpr(jax.grad(
-        lambda h, p: pf.sco_scan(layer_fn, h, p, offload=offload).sum(), argnums=(0, 1)))(
-        h, params)
-    moves = transfers(jaxpr.jaxpr)
-    assert moves.count("MemorySpace.Host") == expected
-    assert moves.count("MemorySpace.Device") == expected
+    moves = transfers(grad_jaxpr(layer_fn, h, params, offload))
     # Forward sends them all before backward brings any back.
     assert moves == ["MemorySpace.Host"] * expected + ["MemorySpace.Device"] * expected
 
 
-def jaxprs(jaxpr):
-    """A jaxpr and every jaxpr nested in it."""
-    yield jaxpr
-    for eqn in jaxpr.eqns:
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from jaxprs(inner)
+def test_pytree_carry_moves_its_inexact_leaves_only(rng):
+    """The boundary is every inexact leaf of the carry; an integer leaf (segment ids) stays on
+    the device. A HostBudget counts the inexact leaves' bytes."""
+    (h, load, aux), params, _ = draw_routed(rng)
+    carry = (h, load, aux, jnp.arange(TOKENS, dtype=jnp.int32) % 2)
+    boundary = BOUNDARY_BYTES + 4 * EXPERTS + 4
+    assert sco.carry_bytes(carry) == (boundary, 4 * TOKENS)
+
+    def layer(c, p):
+        return (*routed_layer(c[:3], p), c[3])
+
+    for offload, count in [(2, 2), (pf.HostBudget(3 * boundary), 3),
+                           (pf.HostBudget(3 * boundary - 1), 2)]:
+        moves = transfers(grad_jaxpr(layer, carry, params, offload))
+        assert moves == ["MemorySpace.Host"] * 3 * count + ["MemorySpace.Device"] * 3 * count
 
 
-def barriers(jaxpr) -> list[tuple[list[str], list[bool]]]:
-    """Every optimization_barrier (nested jaxprs included): its operands' kinds ("host" for a
-    value made by a device_put to host, else "value") and, per output, whether anything in its
-    jaxpr reads it; and per device_put to the device (a restore), whether its operand came out
-    of a barrier of its own rather than straight from the forward's copy tie."""
-    found, restores = [], []
-    for inner in jaxprs(jaxpr):
-        host, read = set(), set(inner.outvars)
-        made_by_barrier = {}  # output -> whether that barrier took a fresh host copy
+def barrier_roles(jaxpr) -> dict[str, list]:
+    """Every optimization_barrier of a jaxpr (nested ones included), by the role it plays, each
+    as (its operands' origins, whether each of its outputs is read):
+
+    - "copy_tie": takes a fresh device-to-host copy (forward: boundary l with layer l's output);
+    - "restore": its output is what a host-to-device copy (a restore) takes;
+    - "layer_tie": takes a restored boundary (backward: layer l waits for layer l + 1);
+    - "slice_tie": the rest (forward: layer l's parameters sliced behind its input).
+
+    An operand's origin is "host" (made by a copy to host), "restored" (a copy to the device)
+    or "value"."""
+    roles = {"copy_tie": [], "restore": [], "layer_tie": [], "slice_tie": []}
+    for inner in iter_jaxprs(jaxpr):
+        origin, read, feeds_restore = {}, set(inner.outvars), set()
         for eqn in inner.eqns:
             read.update(v for v in eqn.invars if not hasattr(v, "val"))
-        for eqn in inner.eqns:
             if eqn.primitive.name == "device_put":
-                if "Host" in str(eqn.params["devices"]):
-                    host.update(eqn.outvars)
-                else:  # a restore: behind a barrier of its own, not the forward's tie
-                    restores.append(made_by_barrier.get(eqn.invars[0]) is False)
-            if eqn.primitive.name == "optimization_barrier":
-                takes_copy = eqn.invars[0] in host
-                made_by_barrier.update({v: takes_copy for v in eqn.outvars})
-                found.append((["host" if v in host else "value" for v in eqn.invars],
-                              [v in read for v in eqn.outvars]))
-    return found, restores
+                to_host = "Host" in str(eqn.params["devices"])
+                origin.update({v: "host" if to_host else "restored" for v in eqn.outvars})
+                if not to_host:
+                    feeds_restore.update(eqn.invars)
+        for eqn in inner.eqns:
+            if eqn.primitive.name != "optimization_barrier":
+                continue
+            kinds = ["value" if hasattr(v, "val") else origin.get(v, "value")
+                     for v in eqn.invars]
+            entry = (kinds, [v in read for v in eqn.outvars])
+            if "host" in kinds:
+                roles["copy_tie"].append(entry)
+            elif "restored" in kinds:
+                roles["layer_tie"].append(entry)
+            elif feeds_restore & set(eqn.outvars):
+                roles["restore"].append(entry)
+            else:
+                roles["slice_tie"].append(entry)
+    return roles
 
 
-def test_transfers_and_layers_are_tied_in_order(rng):
+@pytest.mark.parametrize("routed", [False, True], ids=["array", "pytree"])
+def test_transfers_and_layers_are_tied_in_order(rng, routed):
     """The ties that keep XLA's GPU scheduler in line (each found missing on an H200): each
-    host copy must finish with its layer's forward, each restore is issued behind a barrier, and
-    each layer's recompute must wait for the whole backward of the layer above, its parameter
-    gradients included. A tie counts only if what comes out of the barrier is what is used."""
-    h, params, _ = draw(rng)
-    jaxpr = jax.make_jaxpr(jax.grad(
-        lambda h, p: pf.sco_scan(layer_fn, h, p, offload=LAYERS).sum(), argnums=(0, 1)))(
-        h, params)
-    found, restores = barriers(jaxpr.jaxpr)
-    forward_ties = [used for kinds, used in found if kinds == ["host", "value"]]
-    assert len(forward_ties) == LAYERS and all(all(used) for used in forward_ties)
-    num_param_leaves = len(jax.tree.leaves(params))
-    assert num_param_leaves > 1  # ties are told apart by their operand counts
-    # Forward: each layer slices its parameters behind its input.
-    slice_ties = [used for kinds, used in found if len(kinds) == 1 + num_param_leaves]
-    assert len(slice_ties) == LAYERS and all(all(used) for used in slice_ties)
-    # Backward: restored input, cotangent, the gradients so far and the parameters.
-    whole_layer_ties = [used for kinds, used in found if len(kinds) == 2 + 2 * num_param_leaves]
-    assert len(whole_layer_ties) == LAYERS and all(all(u) for u in whole_layer_ties)
-    assert len(restores) == LAYERS and all(restores)
+    host copy must finish with its layer's forward, each restore is issued behind a barrier of
+    its own, each layer's recompute waits for the whole backward of the layer above, and each
+    layer slices its parameters behind its input. A tie counts only if what comes out of the
+    barrier is what is used."""
+    carry, params, _ = draw_routed(rng) if routed else draw(rng)
+    roles = barrier_roles(grad_jaxpr(routed_layer if routed else layer_fn, carry, params,
+                                     LAYERS))
+    num_leaves = len(jax.tree.leaves(carry))
+    for role in ("copy_tie", "restore", "layer_tie", "slice_tie"):
+        assert len(roles[role]) == LAYERS, role
+    for role in ("copy_tie", "layer_tie", "slice_tie"):  # a restore reads the copy only
+        assert all(all(used) for _, used in roles[role]), role
+    # Every leaf of the boundary is tied: its host copies to the layer's output, its restored
+    # leaves to the backward of the layer above.
+    assert all(kinds.count("host") == num_leaves for kinds, _ in roles["copy_tie"])
+    assert all(kinds.count("restored") == num_leaves for kinds, _ in roles["layer_tie"])
+    # The parameters are behind both the slice tie and the layer tie.
+    num_params = len(jax.tree.leaves(params))
+    assert all(len(kinds) >= num_leaves + num_params for kinds, _ in roles["slice_tie"])
+    assert all(len(kinds) >= 2 * num_leaves + 2 * num_params for kinds, _ in roles["layer_tie"])
 
 
 def test_no_copies_without_differentiation(rng):
@@ -148,11 +212,56 @@ def test_no_copies_without_differentiation(rng):
     assert transfers(jaxpr.jaxpr) == []
 
 
+def segment_layer(carry, p):
+    """Attention-like mixing within segments: the segment ids are a per-token input without a
+    gradient, passed as an integer leaf of the carry and returned unchanged."""
+    h, segment_ids = carry
+    same = segment_ids[:, None] == segment_ids[None, :]
+    scores = jnp.where(same, h @ p["w"] @ h.T, -jnp.inf)
+    return layer_fn(h + jax.nn.softmax(scores, -1) @ h, p), segment_ids
+
+
+def test_integer_leaf_carries_per_token_inputs(rng):
+    """The recommended channel for a per-layer input without gradients: values and gradients
+    equal the checkpointed scan's, and the ids are neither copied to host nor differentiated."""
+    h, params, d_h = draw(rng)
+    segment_ids = jnp.asarray(rng.integers(0, 3, TOKENS), jnp.int32)
+
+    def run(stack):
+        fn = jax.jit(lambda h, p: stack(segment_layer, (h, segment_ids), p)[0])
+        return fn(h, params), jax.jit(jax.grad(lambda h, p: jnp.vdot(fn(h, p), d_h),
+                                               argnums=(0, 1)))(h, params)
+
+    assert_equal_trees(run(sco_stack(LAYERS)), run(checkpointed_scan))
+    moves = transfers(grad_jaxpr(segment_layer, (h, segment_ids), params, LAYERS))
+    assert moves == ["MemorySpace.Host"] * LAYERS + ["MemorySpace.Device"] * LAYERS
+
+
+def test_closures_over_arrays(rng):
+    """layer_fn may close over an array without gradients (here a jitted function's argument);
+    closing over one that is differentiated is refused, never a silently zero gradient."""
+    h, params, d_h = draw(rng)
+    bias = jnp.asarray(rng.standard_normal(HIDDEN), jnp.float32)
+
+    def loss(stack, h, p, bias):
+        return jnp.vdot(stack(lambda h, p: layer_fn(h, p) + bias, h, p), d_h)
+
+    stack = sco_stack(LAYERS)
+    grads = jax.jit(jax.grad(lambda h, p, b: loss(stack, h, p, b), argnums=(0, 1)))(
+        h, params, bias)
+    expected = jax.jit(jax.grad(lambda h, p, b: loss(checkpointed_scan, h, p, b),
+                                argnums=(0, 1)))(h, params, bias)
+    assert_equal_trees(grads, expected)
+    with pytest.raises(jax.errors.UnexpectedTracerError):
+        jax.jit(jax.grad(lambda h, p, b: loss(stack, h, p, b), argnums=2))(h, params, bias)
+
+
 @pytest.mark.parametrize("budget, count", [(0, 0), (BOUNDARY_BYTES - 1, 0), (BOUNDARY_BYTES, 1),
                                            (4 * BOUNDARY_BYTES + 7, 4), (10**9, LAYERS)])
 def test_host_budget_picks_as_many_as_fit(budget, count):
     chosen = sco.offload_plan(pf.HostBudget(budget), LAYERS, BOUNDARY_BYTES)
     assert chosen == tuple(i < count for i in range(LAYERS))
+    assert sco.sco_host_bytes(sum(chosen), BOUNDARY_BYTES) == count * BOUNDARY_BYTES <= budget
 
 
 def test_impossible_budget_raises_before_compiling():
@@ -188,42 +297,53 @@ def test_numpy_offloads_and_zero_layers(rng):
     np.testing.assert_array_equal(grads, jnp.ones_like(h))
 
 
-def test_layer_that_changes_h_is_refused(rng):
-    h, params, _ = draw(rng)
+@pytest.mark.parametrize("bad_layer", [
+    lambda c, p: (routed_layer(c, p)[0].astype(jnp.bfloat16), *routed_layer(c, p)[1:]),
+    lambda c, p: routed_layer(c, p)[:2],
+    lambda c, p: list(routed_layer(c, p)),
+    lambda c, p: (routed_layer(c, p)[0], routed_layer(c, p)[1][:2], routed_layer(c, p)[2]),
+], ids=["dtype", "structure", "container", "shape"])
+def test_layer_that_changes_the_carry_is_refused(rng, bad_layer):
+    carry, params, _ = draw_routed(rng)
     with pytest.raises(ValueError, match="layer_fn"):
-        pf.sco_scan(lambda h, p: layer_fn(h, p).astype(jnp.bfloat16), h, params, offload=1)
+        pf.sco_scan(bad_layer, carry, params, offload=1)
 
 
-def test_bad_budget_and_params():
+def test_bad_budget_params_and_carry():
     with pytest.raises(ValueError, match="HostBudget"):
         pf.HostBudget(-1)
+    with pytest.raises(ValueError, match="HostBudget"):
+        pf.HostBudget(True)
     with pytest.raises(ValueError, match="stacked_params"):
         pf.sco_scan(layer_fn, jnp.ones((2, 2)), {"w": jnp.ones((3, 2)), "b": jnp.ones((4,))},
                     offload=0)
+    for carry in ((), (jnp.ones(2), 1.0)):
+        with pytest.raises(ValueError, match="carry"):
+            pf.sco_scan(lambda c, p: c, carry, {"w": jnp.ones((3, 2))}, offload=0)
 
 
+@pytest.mark.slow
 def test_a_layer_with_pipelined_moe_keeps_its_chunk_bound(rng):
-    """SCO inside shard_map around layers that each hold a PipelinedLLEP layer: values match the
-    checkpointed scan, and no array the size of a rank's whole dispatch appears."""
+    """Integration: SCO inside shard_map around layers that each hold a PipelinedLLEP layer,
+    the routing (ids, gates) riding in the carry: values match the checkpointed scan, and no
+    array the size of a rank's whole dispatch appears."""
     devices, experts, tokens, top_k, hidden, ffn, layers = 4, 8, 256, 4, 32, 16, 3
     mesh = make_mesh(("expert", devices))
     ids = jnp.asarray(np.concatenate([skew.route(tokens, top_k, experts,
                                                  skew.SkewProfile(0.8, 2))] * devices))
     gates = jnp.asarray(rng.random((devices * tokens, top_k)), jnp.float32)
 
-    def moe_layer(h, p):
-        y = pf.pipelined_moe(h, p["ids"], p["gates"], p["wg"], p["wu"], p["wd"],
+    def moe_layer(carry, p):
+        h, ids, gates = carry
+        y = pf.pipelined_moe(h, ids, gates, p["wg"], p["wu"], p["wd"],
                              axis_name="expert", num_experts=experts, token_budget=8,
                              max_chunks=64, llep_min_tokens=8)
-        return h + y
+        return h + y, ids, gates
 
     def per_shard(h, ids, gates, wg, wu, wd, use_sco):
-        params = {"ids": jnp.broadcast_to(ids, (layers, *ids.shape)),
-                  "gates": jnp.broadcast_to(gates, (layers, *gates.shape)),
-                  "wg": wg, "wu": wu, "wd": wd}
-        if use_sco:
-            return pf.sco_scan(moe_layer, h, params, offload=2)
-        return checkpointed_scan(moe_layer, h, params)
+        params = {"wg": wg, "wu": wu, "wd": wd}
+        stack = sco_stack(2) if use_sco else checkpointed_scan
+        return stack(moe_layer, (h, ids, gates), params)[0]
 
     weights = [jnp.asarray(rng.standard_normal((layers, experts) + s) / 8, jnp.float32)
                for s in ((hidden, ffn), (hidden, ffn), (ffn, hidden))]
@@ -242,30 +362,92 @@ def test_a_layer_with_pipelined_moe_keeps_its_chunk_bound(rng):
         h, *weights)
     assert abs(float(value - ref_value)) <= 1e-5 * abs(float(ref_value))
     for a, b in zip(grads, ref_grads):
-        assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b)
+        assert relative_error(a, b) <= 1e-4
     compiled = grad.lower(h, *weights).compile()
     memory.assert_no_array_at_least(compiled, tokens * top_k * hidden, what="dispatch buffer")
 
 
-def mlp_layer(h, p):
-    return h + jnp.tanh(h @ p["up"]) @ p["down"]
+# -- the bound against XLA's CPU plan ----------------------------------------------------------
 
 
-def gradient_temp_bytes(num_layers, tokens, hidden):
-    h = jax.ShapeDtypeStruct((tokens, hidden), jnp.float32)
+def mlp_layer(carry, p):
+    """A carry of (h, a f32 [E] load counter, an f32 scalar, int32 segment ids)."""
+    h, load, aux, segment_ids = carry
+    probs = jax.nn.softmax(h @ p["router"], axis=-1)
+    h = h + jnp.tanh(h @ p["up"]) @ p["down"] * (segment_ids[:, None] > 0)
+    return h, load + probs.sum(0), aux + jnp.mean(probs**2), segment_ids
+
+
+def mlp_shapes(num_layers, tokens, hidden, experts=8):
+    carry = (jax.ShapeDtypeStruct((tokens, hidden), jnp.float32),
+             jax.ShapeDtypeStruct((experts,), jnp.float32),
+             jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((tokens,), jnp.int32))
     params = {"up": jax.ShapeDtypeStruct((num_layers, hidden, 4 * hidden), jnp.float32),
-              "down": jax.ShapeDtypeStruct((num_layers, 4 * hidden, hidden), jnp.float32)}
-    grad = jax.grad(lambda h, p: pf.sco_scan(mlp_layer, h, p, offload=0).sum(), argnums=(0, 1))
-    return jax.jit(grad).lower(h, params).compile().memory_analysis().temp_size_in_bytes
+              "down": jax.ShapeDtypeStruct((num_layers, 4 * hidden, hidden), jnp.float32),
+              "router": jax.ShapeDtypeStruct((num_layers, hidden, experts), jnp.float32)}
+    return carry, params
+
+
+def gradient_temp_bytes(num_layers, tokens, hidden, offload=0):
+    """XLA's temporaries of the gradient of a stack of mlp_layer (on CPU no copy leaves the
+    device, so every boundary stays in the plan whatever ``offload`` says)."""
+    carry, params = mlp_shapes(num_layers, tokens, hidden)
+
+    def loss(carry, params):
+        h, load, aux, _ = pf.sco_scan(mlp_layer, carry, params, offload=offload)
+        return h.sum() + load.sum() + aux
+
+    grad = jax.grad(loss, argnums=(0, 1), allow_int=True)
+    return memory.compiled_memory(jax.jit(grad).lower(carry, params).compile()).temp
 
 
 def test_gradient_temporaries_grow_by_one_boundary_per_layer():
-    """Bound: (L - n_offloaded + 2) boundaries + one layer's activations, so with nothing
-    offloaded (and on CPU nothing is) each added layer may add one boundary, never a layer's
-    parameters or their gradients (which XLA kept alive for all layers until the slices and the
-    gradient writes were tied to the layer order). A layer's parameters here are 32x a
-    boundary."""
+    """With nothing offloaded (and on CPU nothing is) each added layer may add one boundary,
+    never a layer's parameters or their gradients (which XLA kept alive for all layers until
+    the slices and the gradient writes were tied to the layer order). A layer's parameters here
+    are 32x a boundary; the carry has four leaves."""
     tokens, hidden = 32, 128
-    boundary = tokens * hidden * 4
+    boundary, _ = sco.carry_bytes(mlp_shapes(1, tokens, hidden)[0])
     growth = gradient_temp_bytes(8, tokens, hidden) - gradient_temp_bytes(4, tokens, hidden)
-    assert growth <= 4 * boundary
+    assert growth <= 4 * boundary  # measured: 65,536 bytes, 3.99 boundaries
+
+
+def layer_working_bytes(carry, params):
+    """W: XLA's temporaries of one layer's VJP compiled as its own program."""
+    layer_params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), params)
+    cotangent = jax.tree.map(lambda s: s if jnp.issubdtype(s.dtype, jnp.inexact) else
+                             jax.ShapeDtypeStruct(s.shape, jax.dtypes.float0), carry)
+
+    def layer_vjp(carry, params, d_carry):
+        return jax.vjp(mlp_layer, carry, params)[1](d_carry)
+
+    return memory.compiled_memory(jax.jit(layer_vjp).lower(carry, layer_params,
+                                                           cotangent).compile()).temp
+
+
+@pytest.mark.parametrize("num_layers, tokens, hidden", [(4, 32, 128), (8, 256, 64),
+                                                        (6, 1024, 32)])
+def test_memory_terms_bound_the_cpu_plan(num_layers, tokens, hidden):
+    """sco_memory_terms with n_offloaded = 0 (on CPU every boundary stays on the device) holds
+    XLA's plan of the whole gradient. Measured plan / bound: 0.60, 0.82 and 0.90 at these
+    shapes; the slack (0.50, 0.26 and 0.23 MB) is mostly the layer_parameters term: XLA:CPU
+    reads a layer's parameters from the stack in place instead of slicing a copy."""
+    carry, params = mlp_shapes(num_layers, tokens, hidden)
+    boundary, integer = sco.carry_bytes(carry)
+    layer_params = sum(math.prod(s.shape[1:]) * s.dtype.itemsize
+                       for s in jax.tree.leaves(params))
+    terms = sco.sco_memory_terms(num_layers, 0, boundary, layer_params,
+                                 layer_working_bytes(carry, params), integer)
+    assert set(terms) == set(sco.MEMORY_FORMULAS)
+    plan = gradient_temp_bytes(num_layers, tokens, hidden)
+    assert plan <= sum(terms.values()) <= 1.7 * plan
+
+
+def test_memory_terms_count_offloaded_boundaries():
+    terms = sco.sco_memory_terms(24, 12, 100, 7, 5, integer_bytes=3)
+    assert terms == {"kept_boundaries": 1200, "restored_boundaries": 200, "integer_leaves": 72,
+                     "carry_cotangents": 200, "layer_parameters": 14, "layer_working_set": 5}
+    assert sco.sco_memory_terms(24, 1, 100, 0, 0)["restored_boundaries"] == 100
+    assert sco.sco_host_bytes(12, 100) == 1200
+    with pytest.raises(ValueError, match="num_offloaded"):
+        sco.sco_memory_terms(4, 5, 100, 0, 0)

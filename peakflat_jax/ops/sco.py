@@ -1,49 +1,61 @@
 """SCO: a layer scan whose checkpoint boundaries go to host memory and come back one layer ahead.
 
-``sco_scan(layer_fn, h, stacked_params, offload=...)`` computes the same values and gradients
+``sco_scan(layer_fn, carry, stacked_params, offload=...)`` computes the same values and gradients
 as ``lax.scan`` over ``jax.checkpoint(layer_fn)``: each layer is rematerialized in backward from
-its input h_l (the checkpoint boundary). The boundaries chosen by ``offload`` are sent to pinned
-host memory as soon as they exist, and the device copy is freed once layer l has used it.
-Backward walks the layers in reverse. While layer l recomputes and differentiates, h_(l-1) is
-already coming back.
+its input carry_l (the checkpoint boundary). The boundaries chosen by ``offload`` are sent to
+pinned host memory as soon as they exist, and the device copy is freed once layer l has used it.
+Backward walks the layers in reverse. While layer l recomputes and differentiates, carry_(l-1)
+is already coming back.
 
-Memory (per device): the boundaries not offloaded, plus at most 2 restored ones, plus one
-layer's rematerialized intermediates:
+The carry is a pytree (the hidden state plus side outputs such as a router's per-expert load
+counts or an auxiliary loss). Its inexact leaves are "the boundary": they are what ``offload``
+moves and what the bound counts. Integer and bool leaves (token segment ids, positions) stay on
+the device and travel as they are; they have no gradient.
 
-    (L - n_offloaded + 2) * N * H * b + one layer's activations
+Memory (per device, beyond inputs and outputs): the boundaries not offloaded, at most two
+restored ones (the one in use and the one arriving), every layer's integer leaves, and one
+layer's backward: its carry cotangents, its parameters and their gradients, and its
+rematerialized working set, which only the caller knows (``layer_fn`` is theirs).
+``sco_memory_terms`` gives each term in bytes, ``MEMORY_FORMULAS`` its formula, and
+``sco_host_bytes`` the pinned host memory. In short
 
-Why the copies can overlap compute: XLA overlaps host copies in straight-line code but not
-across while-loop iterations (JAX-NOTES.md: a scan emitting boundaries to host ran compute +
-copies serially; unrolled layers ran at link speed). So the layers are unrolled in Python and
-the transfers are placed explicitly, in forward and in backward; XLA's scheduler is otherwise
-free, and three optimization barriers keep it from undoing the bound (each was missing once,
-and an H200 showed what XLA did without it):
+    (L - n_offloaded + min(n_offloaded, 2) + 2) * C + L * C_int + 2 * P_l + W
+
+What ``layer_fn`` may close over: arrays that need no gradient (a jitted function's argument,
+a constant). It must not close over arrays that need gradients: pass those in
+``stacked_params`` (autodiff of the closure raises an UnexpectedTracerError). For a
+non-differentiated per-layer input such as token segment ids or positions, the recommended
+channel is an integer leaf of the carry that ``layer_fn`` returns unchanged: one copy, never
+offloaded, no cotangent. Derive float tables (RoPE sin/cos) from such a leaf inside
+``layer_fn``. A stacked param broadcast over L works too, but the barrier that slices each
+layer's parameters materializes all L copies.
+
+Why the code is shaped so: XLA overlaps host copies in straight-line code but not across
+while-loop iterations (JAX-NOTES.md), so the layers are unrolled in Python and the transfers
+are placed explicitly, in forward and in backward. XLA's scheduler is otherwise free, and
+optimization barriers keep it from undoing the bound (each was missing once, and an H200 showed
+what XLA did without it):
 
 - forward: boundary l's device-to-host copy is tied to layer l's output, so it runs while
   layer l computes and is done before layer l + 1 starts. Untied, XLA sank every copy into the
   backward pass and kept all boundaries on the device until then;
-- backward: the restore of h_(l-1) is issued when layer l's backward starts, not earlier
+- backward: the restore of carry_(l-1) is issued when layer l's backward starts, not earlier
   (which would hold every boundary on the device at once);
 - backward: layer l's recompute waits for the whole backward of layer l + 1, its parameter
   gradients included. Untied, XLA deferred weight-gradient matmuls and kept several layers'
-  activations alive: 24 layers of N = 65,536, H = 4096 asked for 114 GiB with 12 boundaries
-  offloaded, against a 43.3 GiB peak for the checkpointed scan.
+  activations alive;
+- each layer slices its parameters behind its input, and backward writes each layer's
+  parameter gradients in place into the stacked result. Without these two, XLA held all L
+  layers' parameter copies and offloading more boundaries stopped lowering the peak.
 
-Two more ties keep XLA from holding all L layers' parameter copies (see _sco_scan_fwd and
-_sco_scan_bwd): each layer slices its parameters behind its input, and backward writes each
-layer's parameter gradients in place into the stacked result. Without them, offloading all 24
-boundaries lowered the peak no further than offloading 12 (sco_gpu_20261130-083730.json).
+On CPU the memory kinds lower to nothing, so tests check values, the placement of transfers,
+the barriers' ties in the jaxpr, and XLA's plan against ``sco_memory_terms``.
 
-Measured on one H200 (scripts/results/sco_gpu_20261130-085007.json, commit 2ab9037), 24
-layers of N = 65,536, H = 4096, bf16, boundaries of 0.54 GB: the checkpointed scan peaked at
-43.26 GiB in 10.18 s. Offloading 12 boundaries (XLA's host temporaries: exactly 6.44 GB)
-lowered the peak by 13.0 boundaries to 36.76 GiB, in 10.22 s (1.004x); offloading all 24
-(12.88 GB on the host) lowered it by 23.3 boundaries to 31.63 GiB, in 10.23 s (1.005x). The
-bound predicts falls of at least 10 and 22. On CPU the memory kinds lower to nothing, so tests
-check values, the placement of transfers, the barriers' ties in the jaxpr, and that the
-gradient's temporaries grow by one boundary per layer.
+Measured: docs/sco.md.
 
-Legend: L layers, N tokens, H hidden, b bytes per element of h.
+Legend: L layers, n_offloaded boundaries in host memory, C bytes of the carry's inexact leaves
+(one boundary, N * H * b for a plain hidden state), C_int bytes of its integer and bool leaves,
+P_l bytes of one layer's parameters, W one layer's working set.
 """
 
 from __future__ import annotations
@@ -61,6 +73,59 @@ from jax import lax
 
 from peakflat_jax._validate import as_int
 
+MEMORY_FORMULAS: dict[str, str] = {
+    "kept_boundaries": "(L - n_offloaded) * C: the boundaries left on the device",
+    "restored_boundaries": "min(n_offloaded, 2) * C: in backward, the one in use and the next",
+    "integer_leaves": "L * C_int: each layer's integer and bool carry leaves, never offloaded",
+    "carry_cotangents": "2 * C: the carry's cotangent into and out of the layer in backward",
+    "layer_parameters": "2 * P_l: one layer's parameters sliced from the stack, and their "
+                        "gradients before they are written into the stacked result",
+    "layer_working_set": "W: the temporaries of one layer's VJP (the caller's layer_fn)",
+}
+
+
+def sco_memory_terms(num_layers: int, num_offloaded: int, boundary_bytes: int,
+                     layer_param_bytes: int, layer_working_bytes: int,
+                     integer_bytes: int = 0) -> dict[str, int]:
+    """Per-device bytes of each term of SCO's bound, beyond inputs and outputs.
+
+    ``boundary_bytes`` C is one boundary (the carry's inexact leaves) and ``integer_bytes``
+    C_int its integer and bool leaves (both from ``carry_bytes``); ``layer_param_bytes`` P_l one
+    layer's slice of ``stacked_params``; ``layer_working_bytes`` W what one layer's
+    ``jax.vjp(layer_fn, carry, params_l)`` holds beyond its inputs and outputs (its
+    rematerialized intermediates and their cotangents), which only the caller can know.
+    """
+    num_layers, num_offloaded = as_int("num_layers", num_layers), as_int("num_offloaded",
+                                                                           num_offloaded)
+    if not 0 <= num_offloaded <= num_layers:
+        raise ValueError(f"num_offloaded: expected a count in [0, L={num_layers}], got "
+                         f"{num_offloaded}")
+    return {"kept_boundaries": (num_layers - num_offloaded) * boundary_bytes,
+            "restored_boundaries": min(num_offloaded, 2) * boundary_bytes,
+            "integer_leaves": num_layers * integer_bytes,
+            "carry_cotangents": 2 * boundary_bytes,
+            "layer_parameters": 2 * layer_param_bytes,
+            "layer_working_set": layer_working_bytes}
+
+
+def sco_host_bytes(num_offloaded: int, boundary_bytes: int) -> int:
+    """Pinned host memory SCO uses per device: the offloaded boundaries, n_offloaded * C."""
+    return as_int("num_offloaded", num_offloaded) * boundary_bytes
+
+
+def carry_bytes(carry) -> tuple[int, int]:
+    """(C, C_int): the bytes of a carry's inexact leaves (one boundary, what ``offload``
+    moves) and of its integer and bool leaves (which stay on the device). Leaves may be arrays
+    or ``jax.ShapeDtypeStruct``s."""
+    inexact = integer = 0
+    for leaf in jax.tree.leaves(carry):
+        size = math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+        if _is_inexact(leaf):
+            inexact += size
+        else:
+            integer += size
+    return inexact, integer
+
 
 @dataclasses.dataclass(frozen=True)
 class HostBudget:
@@ -69,7 +134,7 @@ class HostBudget:
     bytes: int
 
     def __post_init__(self):
-        if isinstance(self.bytes, bool) or as_int("HostBudget.bytes", self.bytes) < 0:
+        if as_int("HostBudget.bytes", self.bytes) < 0:
             raise ValueError(f"HostBudget.bytes: expected a non-negative int, got {self.bytes!r}")
 
 
@@ -101,7 +166,7 @@ def offload_plan(offload, num_layers: int, boundary_bytes: int) -> tuple[bool, .
         if not 0 <= count <= num_layers:
             raise ValueError(f"offload: expected a count in [0, L={num_layers}], got {count}")
         chosen = tuple(i < count for i in range(num_layers))
-    needed = sum(chosen) * boundary_bytes
+    needed = sco_host_bytes(sum(chosen), boundary_bytes)
     available = host_memory_bytes()
     if needed > available:
         raise ValueError(f"offload: {sum(chosen)} boundaries need {needed:,} bytes of host "
@@ -109,13 +174,17 @@ def offload_plan(offload, num_layers: int, boundary_bytes: int) -> tuple[bool, .
     return chosen
 
 
-def sco_scan(layer_fn: Callable, h: jax.Array, stacked_params, *, offload) -> jax.Array:
-    """``lax.scan`` of the checkpointed ``layer_fn(h, params_l) -> h`` over the leading layer
-    axis of ``stacked_params``, with the boundaries chosen by ``offload`` kept in host memory.
+def sco_scan(layer_fn: Callable, carry, stacked_params, *, offload):
+    """``lax.scan`` of the checkpointed ``layer_fn(carry, params_l) -> carry`` over the leading
+    layer axis of ``stacked_params``, with the boundaries chosen by ``offload`` kept in host
+    memory.
 
-    ``offload``: an int (the first n boundaries), a sequence of L bools, or ``HostBudget(bytes)``
-    (as many as fit, in forward order). ``layer_fn`` must return an array shaped like ``h`` and
-    must not close over arrays that need gradients (pass them in ``stacked_params``).
+    ``carry``: an array or a pytree of arrays; ``layer_fn`` returns the same structure, shapes
+    and dtypes. Its inexact leaves are the boundary that ``offload`` moves; integer and bool
+    leaves stay on the device. ``offload``: an int (the first n boundaries), a sequence of L
+    bools, or ``HostBudget(bytes)`` (as many as fit, in forward order). ``layer_fn`` must not
+    close over arrays that need gradients (pass them in ``stacked_params``); per-layer inputs
+    without gradients (segment ids, positions) are best an integer leaf of the carry.
 
     Limits: reverse mode only (a custom VJP: ``jax.jvp`` and ``jacfwd`` raise); under
     ``jax.vmap`` a HostBudget counts the bytes of one example's boundary. Inside an enclosing
@@ -130,58 +199,89 @@ def sco_scan(layer_fn: Callable, h: jax.Array, stacked_params, *, offload) -> ja
     if any(leaf.ndim < 1 or leaf.shape[0] != num_layers for leaf in leaves):
         raise ValueError(f"stacked_params: every leaf needs the same leading layer axis, got "
                          f"{[leaf.shape for leaf in leaves]}")
-    chosen = offload_plan(offload, num_layers, math.prod(h.shape) * h.dtype.itemsize)
+    carry_leaves = jax.tree.leaves(carry)
+    if not carry_leaves or not all(hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+                                   for leaf in carry_leaves):
+        raise ValueError(f"carry: expected an array or a pytree of arrays, got {carry!r}")
+    chosen = offload_plan(offload, num_layers, carry_bytes(carry)[0])
     if num_layers == 0:
-        return h
-    out = jax.eval_shape(layer_fn, h, _layer_params(stacked_params, 0))
-    if not isinstance(out, jax.ShapeDtypeStruct) or (out.shape, out.dtype) != (h.shape, h.dtype):
-        raise ValueError(f"layer_fn: expected it to return an array like h "
-                         f"({h.dtype}{list(h.shape)}), got {out}")
-    return _sco_scan(layer_fn, chosen, h, stacked_params)
+        return carry
+    expected = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), carry)
+    out = jax.eval_shape(layer_fn, carry, _layer_params(stacked_params, 0))
+    if (jax.tree.structure(out) != jax.tree.structure(expected)
+            or any((a.shape, a.dtype) != (b.shape, b.dtype)
+                   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(expected)))):
+        raise ValueError(f"layer_fn: expected it to return a carry like its input (same "
+                         f"structure, shapes and dtypes: {expected}), got {out}")
+    return _sco_scan(layer_fn, chosen, carry, stacked_params)
 
 
 def _layer_params(stacked_params, layer: int):
     return jax.tree.map(lambda leaf: leaf[layer], stacked_params)
 
 
+def _is_inexact(leaf) -> bool:
+    return jnp.issubdtype(leaf.dtype, jnp.inexact)
+
+
+def _move_boundary(carry, space):
+    """The carry with its inexact leaves (the boundary) sent to ``space``."""
+    return jax.tree.map(lambda a: jax.device_put(a, space) if _is_inexact(a) else a, carry)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _sco_scan(layer_fn, chosen, h, stacked_params):
+def _sco_scan(layer_fn, chosen, carry, stacked_params):
     # Without differentiation nothing reads the boundaries again: no copies, no barriers.
     for layer in range(len(chosen)):
-        h = layer_fn(h, _layer_params(stacked_params, layer))
-    return h
+        carry = layer_fn(carry, _layer_params(stacked_params, layer))
+    return carry
 
 
-def _sco_scan_fwd(layer_fn, chosen, h, stacked_params):
+def _sco_scan_fwd(layer_fn, chosen, carry, stacked_params):
     boundaries = []
     for layer, to_host in enumerate(chosen):
         # Layer l slices its parameters once its input exists. Otherwise the slices, which
         # depend on nothing but the parameters, are free to run early, and XLA kept every
         # layer's slice alive from forward to backward (XLA:CPU: one layer's parameters of
         # temporaries per layer).
-        h, params = lax.optimization_barrier((h, stacked_params))
-        h_next = layer_fn(h, _layer_params(params, layer))
+        carry, params = lax.optimization_barrier((carry, stacked_params))
+        carry_next = layer_fn(carry, _layer_params(params, layer))
         if to_host:
             # The copy runs while this layer computes and must be done before the next layer
             # starts. Untied, XLA's scheduler sank every device-to-host copy into the backward
-            # pass, keeping all boundaries on the device until then (H200: +61 GB).
-            boundary, h_next = lax.optimization_barrier(
-                (jax.device_put(h, jax.memory.Space.Host), h_next))
+            # pass, keeping all boundaries on the device until then (seen on an H200).
+            boundary, carry_next = lax.optimization_barrier(
+                (_move_boundary(carry, jax.memory.Space.Host), carry_next))
         else:
-            boundary = h
+            boundary = carry
         boundaries.append(boundary)
-        h = h_next
-    return h, (tuple(boundaries), stacked_params)
+        carry = carry_next
+    return carry, (tuple(boundaries), stacked_params)
 
 
-def _sco_scan_bwd(layer_fn, chosen, residuals, d_h):
+def _sco_scan_bwd(layer_fn, chosen, residuals, d_carry):
     boundaries, stacked_params = residuals
     num_layers = len(chosen)
 
     def restore(layer, after):
         """Boundary ``layer`` on the device, its copy issued once ``after`` exists."""
         boundary, _ = lax.optimization_barrier((boundaries[layer], after))
-        return jax.device_put(boundary, jax.memory.Space.Device) if chosen[layer] else boundary
+        return _move_boundary(boundary, jax.memory.Space.Device) if chosen[layer] else boundary
+
+    # Cotangents of integer leaves are float0 (nothing to compute): only the inexact ones pass
+    # through the barriers, and the float0 zeros are put back around each layer's VJP.
+    carry_leaves, carry_def = jax.tree.flatten(boundaries[0])
+    carry_inexact = [i for i, leaf in enumerate(carry_leaves) if _is_inexact(leaf)]
+
+    def full_cotangent(d_inexact):
+        d_leaves = [np.zeros(leaf.shape, jax.dtypes.float0) for leaf in carry_leaves]
+        for i, d in zip(carry_inexact, d_inexact):
+            d_leaves[i] = d
+        return carry_def.unflatten(d_leaves)
+
+    def inexact_part(d_tree):
+        d_leaves = carry_def.flatten_up_to(d_tree)
+        return [d_leaves[i] for i in carry_inexact]
 
     # Each layer's parameter gradients are written in place into the stacked result, and the
     # layer slices its parameters only after the barrier below. Stacking per-layer gradients
@@ -189,26 +289,27 @@ def _sco_scan_bwd(layer_fn, chosen, residuals, d_h):
     # one layer's parameters of temporaries per layer (XLA:CPU, each fix alone not enough).
     # Integer leaves (token ids, say) have float0 cotangents: nothing to write.
     leaves, treedef = jax.tree.flatten(stacked_params)
-    inexact = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    inexact = [i for i, leaf in enumerate(leaves) if _is_inexact(leaf)]
     d_stacked = [jnp.zeros_like(leaves[i]) for i in inexact]
-    incoming = restore(num_layers - 1, d_h)
+    d_inexact = inexact_part(d_carry)
+    incoming = restore(num_layers - 1, d_inexact)
     for layer in reversed(range(num_layers)):
         # Layer l's recompute waits for all of layer l + 1's backward: its input cotangent and
         # its parameter gradients. Untied, XLA deferred each layer's weight-gradient matmuls to
-        # the end and kept their inputs, several layers' activations, alive (H200: the plan
-        # grew by gigabytes per layer).
-        h_in, d_h, d_stacked, params = lax.optimization_barrier(
-            (incoming, d_h, d_stacked, stacked_params))
+        # the end and kept their inputs, several layers' activations, alive (seen on an H200).
+        carry_in, d_inexact, d_stacked, params = lax.optimization_barrier(
+            (incoming, d_inexact, d_stacked, stacked_params))
         if layer > 0:
-            incoming = restore(layer - 1, d_h)  # overlaps this layer's recompute and backward
-        _, vjp = jax.vjp(layer_fn, h_in, _layer_params(params, layer))
-        d_h, d_layer = vjp(d_h)
+            incoming = restore(layer - 1, d_inexact)  # overlaps this layer's recompute and bwd
+        _, vjp = jax.vjp(layer_fn, carry_in, _layer_params(params, layer))
+        d_carry, d_layer = vjp(full_cotangent(d_inexact))
+        d_inexact = inexact_part(d_carry)
         d_layer = treedef.flatten_up_to(d_layer)
         d_stacked = [stack.at[layer].set(d_layer[i]) for stack, i in zip(d_stacked, inexact)]
     d_leaves = [np.zeros(leaf.shape, jax.dtypes.float0) for leaf in leaves]
     for i, stack in zip(inexact, d_stacked):
         d_leaves[i] = stack
-    return d_h, treedef.unflatten(d_leaves)
+    return full_cotangent(d_inexact), treedef.unflatten(d_leaves)
 
 
 _sco_scan.defvjp(_sco_scan_fwd, _sco_scan_bwd)
