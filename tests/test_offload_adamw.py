@@ -1,15 +1,22 @@
-"""OffloadStreamAdamW: optax.adamw's numbers, host-resident state, checkpoints, bad input."""
+"""OffloadStreamAdamW: optax.adamw's numbers, host-resident state, a state that carries its
+layout, checkpoints through the trainer's orbax CheckpointManager, bad input."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
+from _helpers import iter_jaxprs
 from conftest import make_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import peakflat_jax as pf
+
+MemorySpace = jax.memory.Space
 
 
 def make_params(rng, dtype=jnp.bfloat16):
@@ -103,6 +110,34 @@ def test_state_lives_in_host_memory(rng):
         assert leaf.sharding.memory_kind == "device"
 
 
+def save_checkpoint(directory, step, params, opt, state):
+    """What the trainer does: params, optimizer state and its layout in one Composite."""
+    with ocp.CheckpointManager(directory) as manager:
+        manager.save(step, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(state),
+            opt_metadata=ocp.args.JsonSave(opt.state_metadata(state))))
+        manager.wait_until_finished()
+
+
+def restore_checkpoint(directory, step, abstract_params, opt):
+    """What a fresh trainer does: the layout is checked first, then params and state are
+    restored into the placements of the abstract targets (the state's buckets: pinned_host)."""
+    target = opt.abstract_state(abstract_params)
+    with ocp.CheckpointManager(directory) as manager:
+        metadata = manager.restore(step, args=ocp.args.Composite(
+            opt_metadata=ocp.args.JsonRestore()))["opt_metadata"]
+        opt.check_metadata(target, metadata)
+        restored = manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract_params),
+            opt_state=ocp.args.StandardRestore(target)))
+    return restored["params"], restored["opt_state"]
+
+
+def abstract(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                        tree)
+
+
 def test_checkpoint_round_trip_continues_bit_for_bit(rng, tmp_path):
     params = make_params(rng)
     schedule = optax.linear_schedule(1e-2, 1e-3, 10)
@@ -116,14 +151,14 @@ def test_checkpoint_round_trip_continues_bit_for_bit(rng, tmp_path):
     opt = pf.offload_stream_adamw(schedule, weight_decay=0.01, bucket_params=100)
     straight_params, straight = run(grads, opt, opt.init(params), params)
 
-    opt = pf.offload_stream_adamw(schedule, weight_decay=0.01, bucket_params=100)
     half_params, half = run(grads[:2], opt, opt.init(params), params)
-    opt.save(tmp_path / "ckpt", half)
+    save_checkpoint(tmp_path / "ckpt", 2, half_params, opt, half)
     fresh = pf.offload_stream_adamw(schedule, weight_decay=0.01, bucket_params=100)
-    fresh.init(params)  # the layout comes from the params
-    restored = fresh.restore(tmp_path / "ckpt")
-    assert all(a.sharding.memory_kind == "pinned_host" for a in restored.master)
-    resumed_params, resumed = run(grads[2:], fresh, restored, half_params)
+    restored_params, restored = restore_checkpoint(tmp_path / "ckpt", 2, abstract(params), fresh)
+    assert all(a.sharding.memory_kind == "pinned_host"
+               for a in (*restored.master, *restored.mu, *restored.nu))
+    assert restored.count.sharding.memory_kind == "device"
+    resumed_params, resumed = run(grads[2:], fresh, restored, restored_params)
     assert_tree_close(fresh.master_params(resumed), opt.master_params(straight), rtol=0)
     assert_tree_close(resumed_params, straight_params, rtol=0)
     assert int(resumed.count) == 4
@@ -182,20 +217,51 @@ def test_edge_layouts_match_optax(rng, params):
         assert leaf.sharding.memory_kind == "device"
 
 
-def test_state_of_another_layout_is_refused(rng, tmp_path):
+def test_one_optimizer_steps_states_of_different_layouts(rng):
+    """The layout is the state's: two inits with other params (and another bucket size) give
+    two states that both keep working, interleaved, on one optimizer object, exactly as each
+    does on an optimizer of its own."""
+    params_a, params_b = make_params(rng), {"w": jnp.asarray(rng.standard_normal((9, 7)))}
+    grads = [(random_grads(rng, params_a), random_grads(rng, params_b)) for _ in range(2)]
+    shared = pf.offload_stream_adamw(1e-2, bucket_params=50)
+    state_a, state_b = shared.init(params_a), shared.init(params_b)
+    alone_a = pf.offload_stream_adamw(1e-2, bucket_params=50)
+    alone_b = pf.offload_stream_adamw(1e-2, bucket_params=50)
+    expected_a, expected_b = alone_a.init(params_a), alone_b.init(params_b)
+    for grads_a, grads_b in grads:
+        _, state_a = shared.step(grads_a, state_a)
+        _, state_b = shared.step(grads_b, state_b)
+        _, expected_a = alone_a.step(grads_a, expected_a)
+        _, expected_b = alone_b.step(grads_b, expected_b)
+    assert_tree_close(shared.master_params(state_a), alone_a.master_params(expected_a), rtol=0)
+    assert_tree_close(shared.master_params(state_b), alone_b.master_params(expected_b), rtol=0)
+
+
+def test_metadata_of_another_layout_is_refused(rng):
     params = make_params(rng)
     opt = pf.offload_stream_adamw(1e-3, bucket_params=100)
     state = opt.init(params)
-    opt.save(tmp_path / "ckpt", state)
-    other = pf.offload_stream_adamw(1e-3, bucket_params=101)
-    other.init(params)
-    with pytest.raises(ValueError, match="state"):
-        other.step(random_grads(rng, params), state)
-    with pytest.raises(ValueError, match="state"):
-        other.restore(tmp_path / "ckpt")
-    opt.init({"w": jnp.ones((5, 5))})  # rebinding: the old state no longer fits
-    with pytest.raises(ValueError, match="state"):
-        opt.master_params(state)
+    metadata = opt.state_metadata(state)
+    opt.check_metadata(state, metadata)  # its own: accepted
+    other = opt.abstract_state(params)
+    opt.check_metadata(other, metadata)  # the abstract state of the same layout: accepted
+    for wrong in (pf.offload_stream_adamw(1e-3, bucket_params=101).abstract_state(params),
+                  opt.abstract_state({**params, "scale": jnp.zeros((2,))})):
+        with pytest.raises(ValueError, match="metadata: .* another layout"):
+            opt.check_metadata(wrong, metadata)
+    with pytest.raises(ValueError, match="metadata"):
+        opt.check_metadata(state, ["not", "a", "dict"])
+
+
+def test_a_state_whose_arrays_do_not_fit_its_layout_is_refused(rng):
+    params = make_params(rng)
+    opt = pf.offload_stream_adamw(1e-3, bucket_params=100)
+    state = opt.init(params)
+    truncated = dataclasses.replace(state, mu=state.mu[:-1])
+    with pytest.raises(ValueError, match="state: expected .* mu buckets"):
+        opt.step(random_grads(rng, params), truncated)
+    with pytest.raises(ValueError, match="state: expected the OffloadAdamWState"):
+        opt.master_params({"master": state.master})
 
 
 def test_numpy_scalars_are_accepted():
@@ -265,14 +331,14 @@ def test_fsdp_state_is_one_piece_per_device_and_the_step_moves_nothing_between_t
         assert array.sharding.memory_kind == "pinned_host"
         assert {s.data.shape for s in array.addressable_shards} == {(array.shape[0] // 8,)}
     grads = sharded_grads(rng, params)
-    text = opt._compile_step().lower(jax.tree.leaves(grads), state).compile().as_text()
+    text = opt.lower(grads, state).compile().as_text()
     for collective in ("all-gather", "all-to-all", "collective-permute", "all-reduce",
                        "reduce-scatter"):
         assert collective not in text, collective
     # With clipping, the global norm is the one thing the devices share: a scalar all-reduce.
     clipped = pf.offload_stream_adamw(1e-3, bucket_params=50, max_grad_norm=1.0)
     clipped_state = clipped.init(params)
-    text = clipped._compile_step().lower(jax.tree.leaves(grads), clipped_state).compile().as_text()
+    text = clipped.lower(grads, clipped_state).compile().as_text()
     reduces = [line for line in text.splitlines() if " all-reduce(" in line]
     assert reduces and all("f32[] all-reduce(" in line for line in reduces), reduces
     assert "all-gather" not in text and "all-to-all" not in text
@@ -285,14 +351,15 @@ def test_fsdp_checkpoint_round_trip(rng, tmp_path):
     opt = pf.offload_stream_adamw(1e-2, bucket_params=64)
     state = opt.init(params)
     params, state = opt.step(grads[0], state)
-    opt.save(tmp_path / "ckpt", state)
+    save_checkpoint(tmp_path / "ckpt", 1, params, opt, state)
     straight_params, straight = params, state
     for g in grads[1:]:
         straight_params, straight = opt.step(g, straight)
     fresh = pf.offload_stream_adamw(1e-2, bucket_params=64)
-    fresh.init(params)
-    resumed = fresh.restore(tmp_path / "ckpt")
-    assert all(a.sharding.is_equivalent_to(straight.master[0].sharding, 1) for a in resumed.master)
+    params, resumed = restore_checkpoint(tmp_path / "ckpt", 1, abstract(params), fresh)
+    for restored, expected in zip(resumed.master, straight.master):
+        assert restored.sharding.is_equivalent_to(expected.sharding, 1)
+        assert restored.sharding.memory_kind == "pinned_host"
     for g in grads[1:]:
         params, resumed = fresh.step(g, resumed)
     assert_tree_close(fresh.master_params(resumed), opt.master_params(straight), rtol=0)
@@ -334,13 +401,60 @@ def test_a_checkpoint_of_another_mesh_layout_is_refused(rng, tmp_path):
     opt = pf.offload_stream_adamw(1e-3, bucket_params=8)
     params = {"w": jax.device_put(jnp.asarray(values, jnp.float32),
                                   NamedSharding(saved_mesh, P("model")))}
-    opt.save(tmp_path / "ckpt", opt.init(params))
+    save_checkpoint(tmp_path / "ckpt", 0, params, opt, opt.init(params))
     other_mesh = make_mesh(("model", 4), ("data", 2))
-    other = pf.offload_stream_adamw(1e-3, bucket_params=8)
-    other.init({"w": jax.device_put(jnp.asarray(values, jnp.float32),
-                                    NamedSharding(other_mesh, P("model")))})
-    with pytest.raises(ValueError, match="state: the checkpoint .* another layout"):
-        other.restore(tmp_path / "ckpt")
-    same = pf.offload_stream_adamw(1e-3, bucket_params=8)
-    same.init(params)
-    assert_tree_close(same.master_params(same.restore(tmp_path / "ckpt")), params, rtol=0)
+    other = {"w": jax.device_put(jnp.asarray(values, jnp.float32),
+                                 NamedSharding(other_mesh, P("model")))}
+    with pytest.raises(ValueError, match="metadata: .* another layout"):
+        restore_checkpoint(tmp_path / "ckpt", 0, abstract(other), opt)
+    restored_params, restored = restore_checkpoint(tmp_path / "ckpt", 0, abstract(params), opt)
+    assert_tree_close(opt.master_params(restored), params, rtol=0)
+
+
+# -- the slot chain: what bounds the staging on a GPU (on CPU the copies lower to nothing) -------
+
+
+def copy_dependencies(jaxpr):
+    """The step's host -> device copies and device -> host write-backs in program order, and for
+    each copy-in the set of write-backs it (transitively) waits on."""
+    step = next(j for j in iter_jaxprs(jaxpr) if any(
+        e.primitive.name == "optimization_barrier" for e in j.eqns))
+    producers, copy_ins, write_backs = {}, [], []
+    for eqn in step.eqns:
+        for var in eqn.outvars:
+            producers[var] = eqn
+        if eqn.primitive.name == "device_put":
+            source, target = eqn.invars[0].aval.memory_space, eqn.outvars[0].aval.memory_space
+            if (source, target) == (MemorySpace.Host, MemorySpace.Device):
+                copy_ins.append(eqn)
+            elif (source, target) == (MemorySpace.Device, MemorySpace.Host):
+                write_backs.append(eqn)
+
+    def ancestors(eqn, seen):
+        for var in eqn.invars:
+            producer = producers.get(var) if hasattr(var, "aval") and not hasattr(
+                var, "val") else None
+            if producer is not None and id(producer) not in seen:
+                seen.add(id(producer))
+                ancestors(producer, seen)
+        return seen
+
+    return copy_ins, write_backs, [ancestors(e, set()) for e in copy_ins]
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_each_bucket_copy_waits_for_the_write_back_slots_buckets_earlier(rng, slots):
+    params = make_params(rng)
+    opt = pf.offload_stream_adamw(1e-3, bucket_params=200, slots=slots)
+    state = opt.init(params)
+    num_buckets = len(state.master)
+    jaxpr = jax.make_jaxpr(opt.step)(random_grads(rng, params), state).jaxpr
+    copy_ins, write_backs, waits = copy_dependencies(jaxpr)
+    assert len(copy_ins) == len(write_backs) == 3 * num_buckets > 3 * slots
+    for b in range(num_buckets):
+        # Bucket b's copy-ins wait on the three write-backs of bucket b - slots (and so on those
+        # its own chain waited on: b - 2 slots, ...), and on no later bucket's.
+        chain = range(b - slots, -1, -slots)
+        for copy_in in range(3 * b, 3 * b + 3):
+            waited = {i for i, w in enumerate(write_backs) if id(w) in waits[copy_in]}
+            assert waited == {3 * c + k for c in chain for k in range(3)}, (b, waited)

@@ -41,7 +41,7 @@ from jax.sharding import SingleDeviceSharding
 
 from peakflat_jax import memory
 from peakflat_jax.bench import harness
-from peakflat_jax.optim.offload_adamw import offload_stream_adamw
+from peakflat_jax.optim import offload_adamw as offload
 
 
 def presets() -> dict[str, list[dict]]:
@@ -122,15 +122,17 @@ def run_case(case: dict) -> dict:
     elif method == "stream":
         params = _params(case, device, jnp.bfloat16)
         grads = _params(case, device, jnp.bfloat16)
-        opt = offload_stream_adamw(1e-3, bucket_params=case["bucket_params"],
-                                   slots=case["slots"])
+        opt = offload.offload_stream_adamw(1e-3, bucket_params=case["bucket_params"],
+                                           slots=case["slots"])
         state = jax.block_until_ready(opt.init(params))
         # The allocator's peak never resets: what init reached is read here, so that a larger
         # final peak can be told apart as the step's.
         extra["peak_after_init_bytes"] = harness.peak_bytes_over([device])
-        plan = memory.compiled_memory(
-            opt._compile_step().lower(jax.tree.leaves(grads), state).compile())
+        plan = memory.compiled_memory(opt.lower(grads, state).compile())
         extra["step_xla_temp_bytes"] = plan.temp
+        terms = offload.offload_stream_adamw_memory_terms(
+            case["num_params"], case["bucket_params"], case["slots"], jnp.bfloat16)
+        extra["staging_bound_bytes"] = terms["staging"] + terms["staging_gpu_excess"]
 
         def step(grads, state, _):
             params, state = opt.step(grads, state)
