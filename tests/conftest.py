@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 _cache = os.environ.get("PEAKFLAT_JAX_CACHE",
                         str(pathlib.Path(__file__).resolve().parents[1] / ".cache" / "jax"))
 if _cache:
+    os.environ["PEAKFLAT_JAX_CACHE"] = _cache  # the `peakflat` commands that tests start share it
     jax.config.update("jax_compilation_cache_dir", _cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -30,8 +30,10 @@ from flax import nnx
 from peakflat_jax import mesh as mop
 from peakflat_jax.config import ModelConfig
 from peakflat_jax.model.layers import DecoderLayer, RMSNorm, Runtime, _normal, gathered, on_tokens
-from peakflat_jax.ops.global_forms import (materialized_cross_entropy_global,
-                                           ring_cross_entropy_global)
+from peakflat_jax.ops.global_forms import (
+    materialized_cross_entropy_global,
+    ring_cross_entropy_global,
+)
 from peakflat_jax.ops.sco import sco_scan
 
 IGNORE = -100

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import pathlib
 
+import grain
 import jax
 import orbax.checkpoint as ocp
 
@@ -40,13 +41,11 @@ class Checkpoints:
             self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, state, batches, optimizer) -> None:
-        from peakflat_jax.train.trainer import TrainState  # noqa: F401 (documentation)
-
         items = dict(
             params=ocp.args.StandardSave(state.params),
             extras=ocp.args.StandardSave(state.extras),
             opt_state=ocp.args.StandardSave(_opt_for_checkpoint(optimizer, state.opt_state)),
-            data=ocp.args.JsonSave(batches.get_state_json()),
+            data=grain.checkpoint.CheckpointSave(batches),
             meta=ocp.args.JsonSave({"step": state.step, "config": to_dict(self.config),
                                     "optimizer": _opt_metadata(optimizer, state.opt_state)}))
         self._manager.save(state.step, args=ocp.args.Composite(**items))
@@ -72,8 +71,7 @@ class Checkpoints:
             params=ocp.args.StandardRestore(abstract["params"]),
             extras=ocp.args.StandardRestore(abstract["extras"]),
             opt_state=ocp.args.StandardRestore(abstract["opt_state"]),
-            data=ocp.args.JsonRestore()))
-        batches.set_state_json(restored["data"])
+            data=grain.checkpoint.CheckpointRestore(batches)))
         opt_state = _opt_from_checkpoint(optimizer, restored["opt_state"], state.opt_state)
         return type(state)(restored["params"], restored["extras"], opt_state, meta["step"])
 

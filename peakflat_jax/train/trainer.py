@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import pathlib
 import time
@@ -36,7 +35,7 @@ from peakflat_jax import mesh as mop
 from peakflat_jax.config import Config, ConfigError, offload_count, to_dict
 from peakflat_jax.model.attention import choose_implementation
 from peakflat_jax.model.decoder import IGNORE
-from peakflat_jax.model.layers import RouterBias, Runtime
+from peakflat_jax.model.layers import Runtime
 from peakflat_jax.model.sharding import init_model
 from peakflat_jax.model.size import model_flops_per_token
 from peakflat_jax.ops.sco import HostBudget
@@ -91,8 +90,7 @@ def runtime_for(config: Config, mesh) -> Runtime:
 
 def split_model_state(state):
     """(trainable params, the router's bias and other non-trained variables)."""
-    return state.split(nnx.Param, ...) if hasattr(state, "split") else nnx.split_state(
-        state, nnx.Param, ...)
+    return nnx.split_state(state, nnx.Param, ...)
 
 
 class Trainer:
@@ -103,7 +101,7 @@ class Trainer:
         mop.initialize_distributed(config.mesh)
         self.mesh = mop.make_mesh(config.mesh)
         mop.check_model_fits_mesh(config, self.mesh)
-        self.run = runtime_for(config, self.mesh)
+        self.runtime = runtime_for(config, self.mesh)
         self.offload = boundary_offload(config, self.mesh)
         self.run_dir = pathlib.Path(run_dir or config.train.run_dir.format(name=config.name))
         self.total_steps = config.train.steps
@@ -125,16 +123,14 @@ class Trainer:
             opt_state = self.optimizer.init(params)
         else:
             self.optimizer = DeviceAdamW(self.config.optimizer, self.total_steps)
-            shardings = jax.tree.map(lambda a: a.sharding, params)
             opt_state = jax.jit(self.optimizer.init)(params)
-            del shardings
         return TrainState(params, extras, opt_state, 0)
 
     # -- the compiled programs ------------------------------------------------------------------
 
     def _loss(self, params, extras, batch):
         model = nnx.merge(self.graphdef, params, extras)
-        return model(batch, self.run, self.offload)
+        return model(batch, self.runtime, self.offload)
 
     def _balanced_extras(self, extras, counts):
         """The router's bias moved against each expert's load error (DeepSeek-V3's
@@ -272,6 +268,7 @@ class Trainer:
             checkpoints.close()
             writer.close()
             bar.close()
+        self.final_state = state
         summary = self.summary(history, state)
         if jax.process_index() == 0:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -289,7 +286,7 @@ class Trainer:
                 f"moe {ops.moe_dispatch}, loss {ops.loss}, offload {sum(self.offload)}/"
                 f"{len(self.offload)} boundaries, optimizer "
                 f"{'offloaded' if self.offloaded_optimizer else 'on device'}, attention "
-                f"{self.run.attention}; step {state.step} of {self.total_steps}")
+                f"{self.runtime.attention}; step {state.step} of {self.total_steps}")
 
     def summary(self, history: list[dict], state: TrainState) -> dict:
         timed = history[1:] or history  # the first step's time includes warming up
@@ -331,7 +328,8 @@ def format_summary(summary: dict) -> str:
         f"{fmt(summary['model_tflops_per_device'], ' model TFLOP/s per device')}, "
         f"MFU {fmt(summary['mfu'] and summary['mfu'] * 100, '%', digits=1)}",
         f"  peak device memory {fmt(summary['peak_device_bytes'], ' GiB', 2**30)} (XLA's plan "
-        f"{fmt(summary['xla_plan_bytes'], ' GiB', 2**30)}), host {fmt(summary['host_bytes'], ' GiB', 2**30)}",
+        f"{fmt(summary['xla_plan_bytes'], ' GiB', 2**30)}), host "
+        f"{fmt(summary['host_bytes'], ' GiB', 2**30)}",
     ]
     return "\n".join(lines)
 
@@ -343,5 +341,3 @@ def train(config: Config, *, resume: bool = False, run_dir: str | None = None,
         jax.config.update("jax_debug_nans", True)
     return Trainer(config, run_dir=run_dir).run(resume=resume, progress=progress)
 
-
-__all__ = ["DoesNotFit", "Trainer", "TrainState", "train", "math"]

@@ -1,0 +1,189 @@
+"""The trainer: the operators change no number, resume is exact, processes agree, bad configs are
+refused with their key."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from peakflat_jax.config import ConfigError, load_config
+from peakflat_jax.train.trainer import Trainer
+from tests._helpers import relative_error
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# A small model that still has every part: a dense layer and two MoE layers, GQA, a shared
+# expert, bias balancing, packed documents.
+SMALL = [
+    "model.hidden=64", "model.num_layers=3", "model.num_dense_layers=1", "model.dense_ffn=128",
+    "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=8", "model.num_experts=8",
+    "model.top_k=2", "model.expert_ffn=32", "model.shared_expert_ffn=32",
+    "data.seq_len=64", "data.batch_size=8", "data.max_segments=8",
+    "operators.token_budget=16", "optimizer.warmup_steps=1", "optimizer.bucket_params=20000",
+    "train.steps=3",
+]
+ALL_OFF = ["operators.moe_dispatch=ep", "operators.loss=materialized", "operators.offload=none",
+           "operators.optimizer_offload=false"]
+
+
+def small_config(*overrides: str):
+    return load_config("tiny", [*SMALL, *overrides])
+
+
+def gradients(trainer: Trainer, state, batch):
+    loss, _, grads, _, _ = jax.jit(trainer._gradients)(state.params, state.extras, batch)
+    return float(loss), jax.tree.leaves(grads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [("mesh.data=1", "mesh.seq=8"), ("mesh.data=2", "mesh.seq=4")],
+                         ids=["1d", "2d"])
+def test_operators_change_no_number(tmp_path, mesh):
+    """All four operators on against all off (the standard stack): the same loss and gradients
+    at the first step, and the same losses over three steps (fp32, relative 1e-5)."""
+    results = {}
+    for name, switches in (("on", []), ("off", ALL_OFF)):
+        config = small_config(*mesh, *switches)
+        trainer = Trainer(config, run_dir=str(tmp_path / name))
+        state = trainer.initial_state()
+        results[name] = gradients(trainer, state, trainer.global_batch(next(trainer.batches)))
+        trainer = Trainer(config, run_dir=str(tmp_path / name))
+        results[name + "_losses"] = trainer.run(progress=False)["losses"]
+    (loss_on, grads_on), (loss_off, grads_off) = results["on"], results["off"]
+    assert abs(loss_on - loss_off) <= 1e-5 * abs(loss_off)
+    for on, off in zip(grads_on, grads_off):
+        assert relative_error(on, off) <= 1e-5
+    np.testing.assert_allclose(results["on_losses"], results["off_losses"], rtol=1e-5)
+    assert len(results["on_losses"]) == 3
+
+
+@pytest.mark.slow
+def test_loss_falls_on_the_corpus(tmp_path):
+    summary = Trainer(small_config("train.steps=12", "optimizer.learning_rate=1e-2"),
+                      run_dir=str(tmp_path)).run(progress=False)
+    losses = summary["losses"]
+    assert np.mean(losses[-3:]) < losses[0] - 0.5, losses
+    assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "summary.json").exists()
+    assert any(p.name.startswith("events") for p in (tmp_path / "tensorboard").iterdir())
+
+
+def leaves_of(trainer_state):
+    return [np.asarray(jax.device_get(x)) for x in jax.tree.leaves(
+        (trainer_state.params, trainer_state.extras, trainer_state.opt_state))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer_offload", [True, False], ids=["offloaded", "device"])
+def test_resume_is_exact(tmp_path, optimizer_offload):
+    """6 steps straight equal 3 steps, a checkpoint, and 3 resumed steps: bit for bit."""
+    switch = f"operators.optimizer_offload={str(optimizer_offload).lower()}"
+    straight = Trainer(small_config(switch, "train.steps=6"), run_dir=str(tmp_path / "a"))
+    summary = straight.run(progress=False)
+    first = Trainer(small_config(switch, "train.steps=6", "train.checkpoint_every=3"),
+                    run_dir=str(tmp_path / "b"))
+    first.total_steps = 3  # stop after the checkpoint at step 3, as an interrupted run would
+    half = first.run(progress=False)
+    resumed = Trainer(small_config(switch, "train.steps=6", "train.checkpoint_every=3"),
+                      run_dir=str(tmp_path / "b"))
+    rest = resumed.run(resume=True, progress=False)
+    assert half["losses"] + rest["losses"] == summary["losses"]
+    final_a = straight.final_state
+    final_b = resumed.final_state
+    for a, b in zip(leaves_of(final_a), leaves_of(final_b)):
+        np.testing.assert_array_equal(a, b)
+
+
+def run_cli(args, env=None, timeout=900):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "peakflat_jax.cli", *args], cwd=REPO,
+                          capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path):
+    common = ["train", "tiny", *SMALL, "train.steps=4", "train.checkpoint_every=2",
+              "--run-dir", str(tmp_path), "--no-progress"]
+    killed = run_cli(common, env={"PEAKFLAT_TEST_EXIT_DURING_SAVE": "4"})
+    assert killed.returncode == 17, killed.stderr[-2000:]
+    steps = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert "2" in steps and "4" not in steps, steps  # 4 never completed
+    resumed = run_cli([*common, "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 4 and len(summary["losses"]) == 2  # steps 3 and 4 again
+    straight = run_cli(["train", "tiny", *SMALL, "train.steps=4", "--run-dir",
+                        str(tmp_path / "straight"), "--no-progress"])
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    expected = json.loads((tmp_path / "straight" / "summary.json").read_text())["losses"]
+    assert summary["losses"] == expected[2:]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_losses_of_one(tmp_path):
+    args = ["train", "tiny", *SMALL, "--no-progress"]
+    one = run_cli([*args, "--run-dir", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr[-2000:]
+    port = free_port()
+    flags = "--xla_force_host_platform_device_count=4"
+    processes = [subprocess.Popen(
+        [sys.executable, "-m", "peakflat_jax.cli", *args, "--run-dir", str(tmp_path / "two")],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags,
+             "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2",
+             "JAX_PROCESS_ID": str(i)}) for i in range(2)]
+    outputs = [p.communicate(timeout=900) for p in processes]
+    for p, (_, err) in zip(processes, outputs):
+        assert p.returncode == 0, err[-2000:]
+    losses_one = json.loads((tmp_path / "one" / "summary.json").read_text())["losses"]
+    losses_two = json.loads((tmp_path / "two" / "summary.json").read_text())["losses"]
+    np.testing.assert_allclose(losses_two, losses_one, rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["model.hiden=3"], "model.hiden"),
+    (["operators.moe_dispatch=fast"], "operators.moe_dispatch"),
+    (["data.seq_len=abc"], "data.seq_len"),
+    (["model.num_heads=6"], "model.num_heads"),  # not a multiple of num_kv_heads = 4
+    (["train.steps=0"], "train.steps"),
+    (["operators.offload=9"], "operators.offload"),
+])
+def test_bad_config_names_its_key(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("tiny", overrides)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["mesh.data=3"], "mesh.data"),               # 8 devices
+    (["data.batch_size=3"], "data.batch_size"),   # mesh.data = 2
+    (["data.seq_len=250"], "data.seq_len"),       # mesh.seq = 4
+    (["model.num_heads=4", "model.num_kv_heads=2", "mesh.data=1", "mesh.seq=8"],
+     "model.num_heads"),
+    (["model.num_experts=12"], "model.num_experts"),
+])
+def test_mesh_that_does_not_divide_the_model_names_its_key(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        Trainer(small_config(*overrides), run_dir="unused")
+
+
+def test_missing_config_file_is_named():
+    with pytest.raises(ConfigError, match="no-such-config"):
+        load_config("no-such-config")
+
+
+def test_missing_corpus_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"data\.corpus_path"):
+        Trainer(small_config(f"data.corpus_path={tmp_path / 'missing.txt'}"), run_dir="unused")
