@@ -67,6 +67,7 @@ from jax import lax
 
 from peakflat_jax._validate import as_int, as_positive_float
 from peakflat_jax.ops import grouped_matmul, llep_plan, row_permutation
+from peakflat_jax.ops import grouped_matmul as grouped_matmul_module
 from peakflat_jax.ops._shard import vary_alike
 from peakflat_jax.ops.expert_exchange import Exchange, PaddedExchange
 from peakflat_jax.ops.llep_plan import LLEPConfig
@@ -559,3 +560,82 @@ def _run_chunks_bwd(plan, residuals, d_outputs):
 
 
 _run_chunks.defvjp(_run_chunks_fwd, _run_chunks_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# The memory bound, term by term (per device; the planner composes these).
+
+MEMORY_FORMULAS: dict[str, str] = {
+    "dispatch": "8 * M * H * b + M * H * 4: backward's rows of width H, per chunk: the "
+                "received rows and their sorted copy, the next chunk's send buckets and "
+                "arrival, the rows' cotangents on their way home, and the fp32 cotangent of the "
+                "down projection; one chunk (K = 1) has no next chunk: 6 * M * H * b + M * H * 4",
+    "expert_ffn": "5 * M * F * 4 + M * F * b: backward's recomputed gate and up projections, "
+                  "the cotangent of their product and theirs (fp32), the product in x's dtype",
+    "weights": "2 * 3 * G * H * F * b + 3 * G * H * F * 4: local and foreign experts side by "
+               "side and their gradients, and backward's fp32 sum of the chunks' gradients",
+    "tokens": "3 * N * H * b: the chunked copies of x and y and the output's gather",
+    "routing": "4 * N * k * (12 + D + G_f): int32 slot metadata (destination, group, chunked "
+               "copies, sort orders) and the [S, D] and [S, G_f] lookups of the plan",
+    "mosaic_head_rows": "R * H * b on the Mosaic path: the grouped matmul's copy of the first "
+                        "R = roundup(max(lambda, alpha) * k * c, 128) sorted rows",
+    "xla_dense_expansion": "6 * G * M * (H + F) * 4 on the XLA path: lax.ragged_dot's dense "
+                           "lowering, [G, M, K] masked operands and [G, M, N] products, one "
+                           "chunk at a time",
+}
+
+
+def pipelined_moe_memory_terms(*, num_tokens: int, hidden: int, ffn: int, top_k: int,
+                               num_experts: int, num_devices: int,
+                               token_budget: int | None = None, max_chunks: int = 10,
+                               balance: str = "llep",
+                               max_foreign_experts: int | None = None,
+                               llep_threshold: float = LLEPConfig.threshold,
+                               llep_capacity: float = LLEPConfig.capacity,
+                               dtype: Any = "bfloat16",
+                               grouped_matmul: str = "mosaic") -> dict[str, int]:
+    """Per-device bytes of each term of the layer's bound (``MEMORY_FORMULAS``), for one
+    forward + backward with the padded exchange, beyond its inputs, outputs and their
+    gradients. Arguments as ``pipelined_moe``'s (num_tokens = N per rank, dtype = x's);
+    ``grouped_matmul``: ``"mosaic"`` or ``"xla"``, the path the devices take. A term that does
+    not apply is 0."""
+    num_chunks = _num_chunks(num_tokens, token_budget, max_chunks)
+    llep = _checked_llep(LLEPConfig(threshold=llep_threshold, capacity=llep_capacity,
+                                    max_foreign_experts=max_foreign_experts),
+                         balance, num_experts, num_devices)
+    if grouped_matmul not in grouped_matmul_module.IMPLEMENTATIONS:
+        raise ValueError(f"grouped_matmul: expected one of "
+                         f"{grouped_matmul_module.IMPLEMENTATIONS}, got {grouped_matmul!r}")
+    b = jnp.dtype(dtype).itemsize
+    chunk_tokens = math.ceil(num_tokens / num_chunks)
+    rows = num_devices * top_k * chunk_tokens  # M
+    foreign = llep.max_foreign_experts
+    groups = num_experts // num_devices + foreign  # G
+    terms = {
+        "dispatch": (8 if num_chunks > 1 else 6) * rows * hidden * b + rows * hidden * 4,
+        "expert_ffn": 5 * rows * ffn * 4 + rows * ffn * b,
+        "weights": 2 * 3 * groups * hidden * ffn * b + 3 * groups * hidden * ffn * 4,
+        "tokens": 3 * num_tokens * hidden * b,
+        "routing": 4 * num_tokens * top_k * (12 + num_devices + foreign),
+        "mosaic_head_rows": 0,
+        "xla_dense_expansion": 0,
+    }
+    if grouped_matmul == "mosaic":
+        alignment = grouped_matmul_module.ROW_ALIGNMENT
+        aligned = -(-rows // alignment) * alignment
+        head = -(-_expected_rows(llep, top_k, chunk_tokens) // alignment) * alignment
+        terms["mosaic_head_rows"] = head * hidden * b if head < aligned else 0
+    else:
+        terms["xla_dense_expansion"] = 6 * groups * rows * (hidden + ffn) * 4
+    return terms
+
+
+def unchunked_moe_memory_terms(*, num_tokens: int, hidden: int, ffn: int, top_k: int,
+                               num_experts: int, num_devices: int, balance: str = "none",
+                               **options) -> dict[str, int]:
+    """The same terms for the layer without a token budget (one chunk: c = N): plain expert
+    parallelism (``balance="none"``) or unchunked LLEP, whose receive buffers must hold the
+    worst routing, D * k * N rows. The baseline a planner compares the budgeted layer with."""
+    return pipelined_moe_memory_terms(
+        num_tokens=num_tokens, hidden=hidden, ffn=ffn, top_k=top_k, num_experts=num_experts,
+        num_devices=num_devices, token_budget=None, balance=balance, **options)
