@@ -10,7 +10,7 @@ import pytest
 from conftest import make_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_offload_adamw import assert_tree_close, step_scale
+from test_offload_adamw import assert_tree_close, copy_dependencies, step_scale
 
 from peakflat_jax.optim.offload_stream import offload_stream
 
@@ -68,8 +68,9 @@ def check_against_optax(rng, opt, reference, params, steps, **init_kwargs):
     return params, state
 
 
-@pytest.mark.parametrize("bucket_params", [50, 10_000])  # 50: buckets split every leaf but b
-@pytest.mark.parametrize("name", sorted(TRANSFORMATIONS))
+@pytest.mark.parametrize("name, bucket_params", [
+    *((name, 50) for name in sorted(TRANSFORMATIONS)),  # 50: buckets split every leaf but b
+    ("lion", 10_000), ("sgd_nesterov", 10_000)])        # one bucket holds every leaf
 def test_matches_the_optax_transformation(rng, name, bucket_params):
     opt = offload_stream(TRANSFORMATIONS[name](), bucket_params=bucket_params, slots=2)
     assert opt.state_bytes_per_param == STATE_BYTES_PER_PARAM[name]
@@ -242,3 +243,16 @@ def test_bad_layer_groups_are_refused(rng):
     state = opt.init(params, stacked_layers=STACKED)
     with pytest.raises(ValueError, match="grads: expected group 1's leaf shapes"):
         opt.update_group([jnp.zeros((2,))], state.group(1), opt.step_scalars(params, state))
+
+
+def test_the_slot_chain_runs_across_layer_groups(rng):
+    params = make_params(rng)
+    opt = offload_stream(optax.lion(1e-3), bucket_params=30, slots=2)
+    state = opt.init(params, stacked_layers=STACKED)
+    jaxpr = jax.make_jaxpr(opt.step)(random_grads(rng, params), state).jaxpr
+    copy_ins, write_backs, waits = copy_dependencies(jaxpr)
+    # 97 unstacked -> 4 buckets; a layer, 72 -> 3 buckets each.
+    assert len(copy_ins) == len(write_backs) == len(state.master) == 10
+    for b in range(len(copy_ins)):
+        waited = {i for i, w in enumerate(write_backs) if id(w) in waits[b]}
+        assert waited == set(range(b - 2, -1, -2)), (b, waited)
