@@ -13,10 +13,10 @@ import sys
 import jax
 import numpy as np
 import pytest
+from _helpers import relative_error
 
 from peakflat_jax.config import ConfigError, load_config
 from peakflat_jax.train.trainer import Trainer
-from tests._helpers import relative_error
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
