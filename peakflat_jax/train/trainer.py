@@ -168,7 +168,11 @@ class Trainer:
                 loss, counts, grads, grad_norm, extras = self._gradients(params, extras, batch)
                 return dict(loss=loss, grad_norm=grad_norm, counts=counts), grads, extras
 
-            self._gradient_step = jax.jit(gradient_step, donate_argnums=(1,)).lower(
+            grad_shardings = jax.tree.map(lambda a: a.sharding, state.params)
+            extras_shardings = jax.tree.map(lambda a: a.sharding, state.extras)
+            self._gradient_step = jax.jit(
+                gradient_step, donate_argnums=(1,),
+                out_shardings=(None, grad_shardings, extras_shardings)).lower(
                 state.params, state.extras, batch).compile()
             self._check_fits(self._gradient_step, "the loss and gradient program")
         else:
@@ -178,7 +182,11 @@ class Trainer:
                 return params, extras, opt_state, dict(loss=loss, grad_norm=grad_norm,
                                                        counts=counts)
 
-            self._train_step = jax.jit(train_step, donate_argnums=(0, 1, 2)).lower(
+            # The state comes out where it went in: each step's inputs match the compiled ones.
+            kept = jax.tree.map(lambda a: a.sharding, (state.params, state.extras,
+                                                       state.opt_state))
+            self._train_step = jax.jit(train_step, donate_argnums=(0, 1, 2),
+                                       out_shardings=(*kept, None)).lower(
                 state.params, state.extras, state.opt_state, batch).compile()
             self._check_fits(self._train_step, "the train step")
 
