@@ -220,8 +220,10 @@ def test_one_pass_holds_no_logits_sized_array():
 def test_memory_terms_bound_the_cpu_plan(ring_size, tokens, hidden, width, block, hidden_dtype,
                                          vocab_size):
     """The gather_kernel / one-pass terms hold XLA's CPU plan of forward + backward. Measured
-    plan / bound: 0.64, 0.66, 0.66, 0.92. The slack is the strips term: XLA:CPU holds about two
-    [T, V] arrays of a block (the fp32 logits, and dY fused with its cast), not three."""
+    plan / bound: 0.993, 0.988, 0.994, 0.980: XLA keeps one block's logits and dY, fuses the
+    softmax and one-hot into them, and scales the stored gradients in place. Compute dtypes are
+    fp32 here: XLA:CPU upcasts the operands of bf16 x bf16 matmuls to fp32 copies, which a GPU
+    does not (at P = 2, bf16 x bf16: 1.29x the bound, measured)."""
     mesh = make_mesh(("vocab", ring_size))
     x = jax.ShapeDtypeStruct((ring_size * tokens, hidden), hidden_dtype)
     w = jax.ShapeDtypeStruct((hidden, ring_size * width), jnp.float32)
@@ -235,23 +237,26 @@ def test_memory_terms_bound_the_cpu_plan(ring_size, tokens, hidden, width, block
                                                 token_block=block, vocab_size=vocab_size)
     assert set(terms) == set(rce.MEMORY_FORMULAS)
     plan = memory.compiled_memory(compiled).temp
-    assert plan <= sum(terms.values()) <= 1.6 * plan
+    assert plan <= sum(terms.values()) <= 1.05 * plan
 
 
 def test_memory_terms_of_the_one_pass_path():
     terms = fce.memory_terms(10_000, 8, 100, token_block=1000, hidden_dtype=jnp.bfloat16,
-                             kernel_dtype=jnp.bfloat16)
-    assert terms == {"fused_strips": 3 * 1000 * 100 * 4,
+                             kernel_dtype=jnp.bfloat16, gradient_is_output=False, vocab_size=99)
+    assert terms == {"fused_strips": 1000 * 100 * (4 + 2),
                      "kernel_gradient": 8 * 100 * 4 + 8 * 100 * 2,
                      "hidden_gradient": 10_000 * 8 * 2, "block_partials": 1000 * 8 * 4,
-                     "cast": 0}
+                     "padding_bias": 1000 * 100 * 4, "cast": 0}
     ring = rce.ring_cross_entropy_memory_terms(10_000, 8, 25, 4, mode="gather_kernel",
                                                reduction="mean", token_block=1000,
                                                kernel_dtype=jnp.bfloat16,
                                                hidden_dtype=jnp.bfloat16, vocab_size=99)
     assert {k: ring[k] for k in terms} == terms
-    assert ring["gathered_kernel"] == ring["gradient_scatter"] == 8 * 100 * 2
-    assert ring["masked_shard"] == 8 * 25 * 2 and ring["strips"] == ring["hops"] == 0
+    assert ring["gathered_kernel"] == 8 * 100 * 2 and ring["masked_shard"] == 8 * 25 * 2
+    assert ring["strips"] == ring["hops"] == 0
+    # At P = 1 an fp32 kernel's accumulator is the gradient output itself.
+    alone = fce.memory_terms(10_000, 8, 100, token_block=1000)
+    assert alone["kernel_gradient"] == alone["padding_bias"] == 0
 
 
 # -- the auto rule -----------------------------------------------------------------------------

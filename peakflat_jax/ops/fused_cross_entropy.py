@@ -21,7 +21,7 @@ the materialized loss. Without differentiation only the first unit runs.
 ``fused_cross_entropy_sum`` is the building block of ``ring_cross_entropy(reduction=...)``: at
 P = 1 on the device's kernel, at P >= 2 on the all-gathered kernel (``mode="gather_kernel"``).
 
-Memory (per device, beyond inputs and outputs): one block's strips (3 * T * V * 4), the fp32
+Memory (per device, beyond inputs and outputs): one block's strips (T * V * (4 + b)), the fp32
 dW accumulator and the stored gradients; no term grows with N * V. ``memory_terms`` gives each
 term in bytes, ``MEMORY_FORMULAS`` its formula.
 
@@ -53,30 +53,42 @@ from peakflat_jax.ops._shard import vary_alike, varying_like
 DEFAULT_TOKEN_BLOCK = 2048
 
 MEMORY_FORMULAS: dict[str, str] = {
-    "fused_strips": "3 * T * V * 4: one block's fp32 logits, dY and its cast",
-    "kernel_gradient": "H * V * 4 + (H * V * b_k unless b_k = 4): the fp32 dW accumulator and "
-                       "the stored dW in kernel's dtype",
+    "fused_strips": "T * V * (4 + b): one block's fp32 logits and dY in the compute dtype (the "
+                    "softmax and the one-hot fuse into them)",
+    "kernel_gradient": "H * V * 4, the fp32 dW accumulator (0 where it becomes the output: an "
+                       "fp32 kernel whose dW is not reduce-scattered), plus H * V * b_k for its "
+                       "cast to kernel's dtype where b_k < 4 and dW is reduce-scattered",
     "hidden_gradient": "N * H * b_h: the stored dX (the backward scales it into the output)",
     "block_partials": "T * H * 4: one block's fresh fp32 dX before it is stored",
+    "padding_bias": "T * V * 4 where the kernel has padding columns: the logits with -inf on "
+                    "them (XLA:CPU keeps it beside the logits)",
     "cast": "H * V * b if kernel's dtype is narrower than the compute dtype, plus T * H * b if "
             "hidden's is",
 }
 
 
 def memory_terms(num_tokens: int, hidden: int, vocab_width: int, token_block: int | None = None,
-                 hidden_dtype=jnp.float32, kernel_dtype=jnp.float32) -> dict[str, int]:
+                 hidden_dtype=jnp.float32, kernel_dtype=jnp.float32,
+                 gradient_is_output: bool = True,
+                 vocab_size: int | None = None) -> dict[str, int]:
     """Per-device bytes of each term of the one-pass loss's bound (forward + backward), beyond
     inputs and outputs: N = ``num_tokens``, H = ``hidden``, V = ``vocab_width`` (the kernel's
-    columns), T = ``token_block`` (default ``DEFAULT_TOKEN_BLOCK``, at most N)."""
+    columns), T = ``token_block`` (default ``DEFAULT_TOKEN_BLOCK``, at most N).
+    ``gradient_is_output``: whether the stored dW is the kernel's gradient itself (P = 1), not
+    reduce-scattered into a shard's (``gather_kernel``); ``vocab_size``: the true V when the
+    kernel's last columns are padding."""
     n, h, v = (as_int(name, x) for name, x in (("num_tokens", num_tokens), ("hidden", hidden),
                                                ("vocab_width", vocab_width)))
     t = min(n, DEFAULT_TOKEN_BLOCK if token_block is None else as_int("token_block", token_block))
     hidden_size, kernel_size = jnp.dtype(hidden_dtype).itemsize, jnp.dtype(kernel_dtype).itemsize
     compute = jnp.dtype(jnp.result_type(hidden_dtype, kernel_dtype)).itemsize
-    return {"fused_strips": 3 * t * v * 4,
-            "kernel_gradient": h * v * 4 + (h * v * kernel_size if kernel_size != 4 else 0),
+    accumulator = 0 if gradient_is_output and kernel_size == 4 else h * v * 4
+    stored = h * v * kernel_size if not gradient_is_output and kernel_size < 4 else 0
+    return {"fused_strips": t * v * (4 + compute),
+            "kernel_gradient": accumulator + stored,
             "hidden_gradient": n * h * hidden_size,
             "block_partials": t * h * 4,
+            "padding_bias": t * v * 4 if vocab_size is not None and vocab_size < v else 0,
             "cast": (h * v * compute if kernel_size < compute else 0)
             + (t * h * compute if hidden_size < compute else 0)}
 

@@ -97,8 +97,6 @@ MEMORY_FORMULAS: dict[str, str] = {
             "H * Vs * b if kernel's is; one-pass: H * P * Vs * b, plus T * H * b",
     "gathered_kernel": "gather_kernel at P >= 2: H * P * Vs * b_k, the all-gathered kernel",
     "masked_shard": "gather_kernel: H * Vs * b_k when P * Vs > V (padding columns zeroed)",
-    "gradient_scatter": "gather_kernel at P >= 2: H * P * Vs * b_k, the scaled dW before its "
-                        "reduce-scatter",
     **{name: f"gather_kernel (one pass, V' = P * Vs): {formula}"
        for name, formula in fused_cross_entropy.MEMORY_FORMULAS.items() if name != "cast"},
 }
@@ -144,13 +142,13 @@ def ring_cross_entropy_memory_terms(num_tokens: int, hidden: int, shard_width: i
     compute = _itemsize(jnp.result_type(hidden_dtype, kernel_dtype))
     if schedule == "gather_kernel":
         kernel_size = _itemsize(kernel_dtype)
-        fused = fused_cross_entropy.memory_terms(n, h, p * vs, token_block, hidden_dtype,
-                                                 kernel_dtype)
         padded = vocab_size is not None and as_int("vocab_size", vocab_size) < p * vs
+        fused = fused_cross_entropy.memory_terms(n, h, p * vs, token_block, hidden_dtype,
+                                                 kernel_dtype, gradient_is_output=p == 1,
+                                                 vocab_size=vocab_size)
         terms.update(fused,
                      gathered_kernel=h * p * vs * kernel_size if p > 1 else 0,
-                     masked_shard=h * vs * kernel_size if padded else 0,
-                     gradient_scatter=h * p * vs * kernel_size if p > 1 else 0)
+                     masked_shard=h * vs * kernel_size if padded else 0)
         return terms
     block = vs if vocab_block is None else min(as_int("vocab_block", vocab_block), vs)
     move_weights = schedule == "move_weights"
