@@ -19,7 +19,8 @@ import sys
 BENCHMARKS = {"ring_dtp": "peakflat_jax.bench.ring_dtp",
               "moe_dispatch": "peakflat_jax.bench.moe_dispatch",
               "offload_adamw": "peakflat_jax.bench.offload_adamw",
-              "sco": "peakflat_jax.bench.sco"}
+              "sco": "peakflat_jax.bench.sco",
+              "train_step": "peakflat_jax.bench.train_step"}
 # The benchmarks whose cases time one compiled step (harness.measure_compiled), which --trace-steps
 # profiles; offload_adamw times a step and host-side baselines its own way.
 TRACEABLE = ("moe_dispatch", "ring_dtp", "sco")
@@ -35,13 +36,16 @@ def _prepare_environment() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def _enable_compilation_cache() -> None:
-    """JAX's persistent compilation cache (PEAKFLAT_JAX_CACHE, default
-    ~/.cache/peakflat_jax/xla; empty: off): a second run of a config skips XLA's compile."""
+def enable_compilation_cache() -> None:
+    """JAX's persistent compilation cache on GPUs (PEAKFLAT_JAX_CACHE, default
+    ~/.cache/peakflat_jax/xla; empty: off): a second run of a config skips XLA's compile. Not
+    on CPUs unless PEAKFLAT_JAX_CACHE is set: multi-device CPU executables read back from it
+    crashed in their collectives (jax 0.11.2)."""
     import jax
 
-    directory = os.environ.get("PEAKFLAT_JAX_CACHE",
-                               os.path.expanduser("~/.cache/peakflat_jax/xla"))
+    directory = os.environ.get("PEAKFLAT_JAX_CACHE")
+    if directory is None and jax.default_backend() != "cpu":
+        directory = os.path.expanduser("~/.cache/peakflat_jax/xla")
     if directory:
         jax.config.update("jax_compilation_cache_dir", directory)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
@@ -121,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     _prepare_environment()
     if args.command == "train":
-        _enable_compilation_cache()
+        enable_compilation_cache()
         return _train(args)
     return _bench(args)
 

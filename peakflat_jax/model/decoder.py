@@ -122,16 +122,13 @@ class MoEDecoder(nnx.Module):
 
 def mean_cross_entropy(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, run: Runtime,
                        vocab_size: int) -> jax.Array:
-    """The mean loss over the valid targets of the global batch, by the configured loss."""
+    """The mean loss over the valid targets of the global batch, by the configured loss: the
+    ring's reduced form (one pass over the vocabulary where a device sees all of it, a
+    strip-by-strip ring otherwise), or the materialized baseline."""
     ops = run.operators
+    common = dict(mesh=run.mesh, axis_name=mop.ALL, vocab_size=vocab_size, ignore_index=IGNORE,
+                  reduction="mean")
     if ops.loss == "ring":
-        options = dict(mode=ops.loss_mode, vocab_block=ops.vocab_block)
-        losses = ring_cross_entropy_global(hidden, kernel, targets, mesh=run.mesh,
-                                           axis_name=mop.ALL, vocab_size=vocab_size,
-                                           ignore_index=IGNORE, **options)
-    else:
-        losses = materialized_cross_entropy_global(hidden, kernel, targets, mesh=run.mesh,
-                                                   axis_name=mop.ALL, vocab_size=vocab_size,
-                                                   ignore_index=IGNORE)
-    valid = targets != IGNORE
-    return jnp.sum(losses) / jnp.sum(valid)
+        return ring_cross_entropy_global(hidden, kernel, targets, mode=ops.loss_mode,
+                                         vocab_block=ops.vocab_block, **common)
+    return materialized_cross_entropy_global(hidden, kernel, targets, **common)
