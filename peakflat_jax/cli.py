@@ -6,7 +6,8 @@
     peakflat xcheck export DIR [--config CONFIG] [--dtype float32|bfloat16] [--seed S]
                       [section.field=value ...]
     peakflat xcheck run [--config CONFIG] [--dtype D] [--seed S] [--dir DIR]
-                      [--record-dir DIR] [--torch-device DEVICE] [section.field=value ...]
+                      [--record-dir DIR] [--torch-device DEVICE] [--torch-python PYTHON]
+                      [section.field=value ...]
 
 CONFIG is a YAML file or the name of a preset in configs/ (tiny, h200-1, ...).
 """
@@ -101,7 +102,8 @@ def _xcheck(args: argparse.Namespace) -> int:
 
         return run(config=args.config, overrides=args.overrides, dtype=args.dtype,
                    seed=args.seed, directory=args.dir, record_dir=args.record_dir,
-                   torch_device=args.torch_device, command=shlex.join(["peakflat", *args.argv]))
+                   torch_device=args.torch_device, torch_python=args.torch_python,
+                   command=shlex.join(["peakflat", *args.argv]))
     _enable_compilation_cache()
     from peakflat_jax.xcheck.export import export
 
@@ -152,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--dir", help="the export directory (default runs/xcheck-CONFIG-DTYPE-S)")
     run.add_argument("--record-dir", help="where the JSON record goes (default scripts/results)")
     run.add_argument("--torch-device", help="torch device (default cuda where available)")
+    run.add_argument("--torch-python", help="run the PyTorch side in this Python instead (e.g. "
+                                            ".venv-torch/bin/python from "
+                                            "scripts/xcheck_torch_env.sh)")
     for action in (export, run):
         action.add_argument("--config", default="tiny",
                             help="a YAML file, or a preset's name in configs/ (default tiny)")

@@ -12,7 +12,7 @@ included):
 * ``moe``: ``pipelined_moe`` in several strided chunks under skewed routing (``skew.py``) with
   LLEP on and a small spill piece, so that experts spill and their weights migrate (the
   manifest records how many slots spilled and how many weights moved);
-* ``checkpointed_stack``: ``sco_scan`` over a residual SwiGLU stack with a pytree carry (the
+* ``checkpointed_stack``: ``sco_scan`` over a stack of residual SiLU MLP layers with a pytree carry (the
   hidden state and a running scalar), some boundaries offloaded;
 * ``adamw``: the trainer's ``offload_stream_adamw`` (its schedule, weight decay, clipping) over
   several steps, buckets splitting leaves, params FSDP-sharded;
@@ -287,7 +287,7 @@ def moe_case(trainer, rng) -> Case:
 
 
 def checkpointed_stack_case(trainer, rng) -> Case:
-    """``sco_scan`` over L residual SwiGLU-free MLP layers with a (hidden, scalar) carry."""
+    """``sco_scan`` over L residual SiLU MLP layers with a (hidden, scalar) carry."""
     config, mesh = trainer.config, trainer.mesh
     per_device, width = _tokens(trainer)
     tokens, hidden_size = per_device * width, config.model.hidden

@@ -4,7 +4,8 @@ The JAX side runs in a child process (``peakflat xcheck export``), so that the d
 JAX reserves is given back before PyTorch computes on the same GPU; the PyTorch side then runs
 in this process, ``torch_side.py`` imported by its file path (it is a standalone file, not part
 of the package's imports). Where this Python has no torch, the command exports and prints the
-exact command for the PyTorch side instead, with exit status ``NOT_CHECKED``.
+exact command for the PyTorch side instead, with exit status ``NOT_CHECKED``; or, given
+``--torch-python``, runs the PyTorch side in that Python (the CPU machines' ``.venv-torch``).
 
 The record (``<record_dir>/xcheck_<config>_<dtype>_<platform>_<date>.json``, like the
 benchmarks' records): command, date, device of each side, jax and torch versions, commit, seed,
@@ -22,6 +23,7 @@ import pathlib
 import shlex
 import subprocess
 import sys
+import tempfile
 
 TORCH_SIDE = pathlib.Path(__file__).resolve().parent / "torch_side.py"
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -55,12 +57,31 @@ def torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
+def check_in_child(python: str, directory: pathlib.Path, device: str | None) -> dict:
+    """The PyTorch side run by another Python (e.g. .venv-torch/bin/python); its report."""
+    with tempfile.TemporaryDirectory() as scratch:
+        report_path = pathlib.Path(scratch) / "report.json"
+        command = [python, str(TORCH_SIDE), str(directory), "--json", str(report_path),
+                   *(["--device", device] if device else [])]
+        completed = subprocess.run(command)
+        if not report_path.exists():
+            raise SystemExit(f"peakflat xcheck run: the PyTorch side wrote no report (exit "
+                             f"status {completed.returncode}): {shlex.join(command)}")
+        return json.loads(report_path.read_text())
+
+
 def run(*, config: str, overrides: list[str], dtype: str, seed: int, directory: str | None,
-        record_dir: str | None, torch_device: str | None, command: str) -> int:
+        record_dir: str | None, torch_device: str | None, command: str,
+        torch_python: str | None = None) -> int:
     """Exports, checks, writes the record; returns the exit status (0 pass, 1 a difference
-    beyond tolerance, ``NOT_CHECKED`` without torch)."""
+    beyond tolerance, ``NOT_CHECKED`` without torch). ``torch_python``: run the PyTorch side
+    in that Python instead of this one."""
     directory = pathlib.Path(directory or REPO / "runs" / f"xcheck-{config}-{dtype}-{seed}")
     export_in_child(directory, config=config, overrides=overrides, dtype=dtype, seed=seed)
+    if torch_python:
+        report = check_in_child(torch_python, directory, torch_device)
+        return write_record(report, directory, dtype=dtype, seed=seed, command=command,
+                            record_dir=record_dir)
     if not torch_available():
         print(f"peakflat xcheck run: exported to {directory}, but torch is not installed in "
               f"this Python ({sys.executable}). Run the PyTorch side with:\n"
@@ -75,6 +96,13 @@ def run(*, config: str, overrides: list[str], dtype: str, seed: int, directory: 
     report = torch_side.check(directory, device=device,
                               log=lambda line: print(line, file=sys.stderr))
     print(torch_side.format_report(report))
+    return write_record(report, directory, dtype=dtype, seed=seed, command=command,
+                        record_dir=record_dir)
+
+
+def write_record(report: dict, directory: pathlib.Path, *, dtype: str, seed: int, command: str,
+                 record_dir: str | None) -> int:
+    """Writes the run's record beside the benchmarks'; returns the exit status."""
     manifest = json.loads((directory / "manifest.json").read_text())
     now = datetime.datetime.now(datetime.timezone.utc)
     platform_name = "gpu" if "gpu" in manifest["device"] or "cuda" in manifest["device"] else (
