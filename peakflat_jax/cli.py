@@ -7,6 +7,7 @@
                       [section.field=value ...]
     peakflat xcheck run [--config CONFIG] [--dtype D] [--seed S] [--dir DIR]
                       [--record-dir DIR] [--torch-device DEVICE] [--torch-python PYTHON]
+                      [--reference float64|none]
                       [section.field=value ...]
 
 CONFIG is a YAML file or the name of a preset in configs/ (tiny, h200-1, ...).
@@ -103,6 +104,7 @@ def _xcheck(args: argparse.Namespace) -> int:
         return run(config=args.config, overrides=args.overrides, dtype=args.dtype,
                    seed=args.seed, directory=args.dir, record_dir=args.record_dir,
                    torch_device=args.torch_device, torch_python=args.torch_python,
+                   reference=args.reference,
                    command=shlex.join(["peakflat", *args.argv]))
     _enable_compilation_cache()
     from peakflat_jax.xcheck.export import export
@@ -157,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--torch-python", help="run the PyTorch side in this Python instead (e.g. "
                                             ".venv-torch/bin/python from "
                                             "scripts/xcheck_torch_env.sh)")
+    run.add_argument("--reference", choices=("float64", "none"), default="float64",
+                     help="also compute each case in float64 on the PyTorch side (informative "
+                          "columns; none halves its time and memory)")
     for action in (export, run):
         action.add_argument("--config", default="tiny",
                             help="a YAML file, or a preset's name in configs/ (default tiny)")

@@ -82,7 +82,7 @@ def test_fp32_both_sides_agree(exported_fp32, torch_python, tmp_path):
     assert moe["spilled_slots"] > 0 and moe["migrated_expert_copies"] > 0 and moe["chunks"] > 1
     with np.load(exported_fp32 / "model.npz") as model:
         assert np.max(model["batch.segment_ids"]) > 1
-        weights = {k for k in model.files if not k.startswith(("batch.", "grad.", "loss",
+        weights = {k for k in model.files if not k.startswith(("batch.", "grad.", "rope.", "loss",
                                                                 "expert_counts"))}
         assert {f"grad.{w}" for w in weights if not w.endswith("router_bias")} <= set(
             model.files)

@@ -12,7 +12,7 @@ included):
 * ``moe``: ``pipelined_moe`` in several strided chunks under skewed routing (``skew.py``) with
   LLEP on and a small spill piece, so that experts spill and their weights migrate (the
   manifest records how many slots spilled and how many weights moved);
-* ``checkpointed_stack``: ``sco_scan`` over a stack of residual SiLU MLP layers with a pytree carry (the
+* ``checkpointed_stack``: ``sco_scan`` over residual SiLU MLP layers with a pytree carry (the
   hidden state and a running scalar), some boundaries offloaded;
 * ``adamw``: the trainer's ``offload_stream_adamw`` (its schedule, weight decay, clipping) over
   several steps, buckets splitting leaves, params FSDP-sharded;
@@ -412,6 +412,7 @@ def model_case(trainer, rng) -> Case:
     """One forward + backward of the config's decoder on one batch of the data pipeline."""
     from flax import nnx
 
+    from peakflat_jax.model.layers import rope_frequencies
     from peakflat_jax.model.sharding import init_model
     from peakflat_jax.train.trainer import split_model_state
 
@@ -450,6 +451,13 @@ def model_case(trainer, rng) -> Case:
                             ignore_index=IGNORE, batch_index=batch_index,
                             operators=to_dict(ops), norm_scale_std=norm_std,
                             router_bias_std=bias_std))
+    frequencies = rope_frequencies(model_config)
+    case.add("rope.inverse_frequencies", frequencies, "input",
+             "[D/2] RoPE inverse frequencies as JAX computes them (fp32): the PyTorch model "
+             "rotates by these, so that a one-ulp difference of fp32 pow between the libraries, "
+             "multiplied by positions up to T, is not mistaken for a model difference")
+    case.add("rope.inverse_frequencies.recomputed", frequencies, "output",
+             "the same table, which the PyTorch side recomputes from the config and compares")
     for key in ("tokens", "targets", "positions", "segment_ids"):
         case.add(f"batch.{key}", batch[key], "input", f"[B, T] {key} of the data pipeline's "
                  f"batch {batch_index}")

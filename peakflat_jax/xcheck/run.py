@@ -57,12 +57,13 @@ def torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def check_in_child(python: str, directory: pathlib.Path, device: str | None) -> dict:
+def check_in_child(python: str, directory: pathlib.Path, device: str | None,
+                   reference: str) -> dict:
     """The PyTorch side run by another Python (e.g. .venv-torch/bin/python); its report."""
     with tempfile.TemporaryDirectory() as scratch:
         report_path = pathlib.Path(scratch) / "report.json"
         command = [python, str(TORCH_SIDE), str(directory), "--json", str(report_path),
-                   *(["--device", device] if device else [])]
+                   "--reference", reference, *(["--device", device] if device else [])]
         completed = subprocess.run(command)
         if not report_path.exists():
             raise SystemExit(f"peakflat xcheck run: the PyTorch side wrote no report (exit "
@@ -72,14 +73,14 @@ def check_in_child(python: str, directory: pathlib.Path, device: str | None) -> 
 
 def run(*, config: str, overrides: list[str], dtype: str, seed: int, directory: str | None,
         record_dir: str | None, torch_device: str | None, command: str,
-        torch_python: str | None = None) -> int:
+        torch_python: str | None = None, reference: str = "float64") -> int:
     """Exports, checks, writes the record; returns the exit status (0 pass, 1 a difference
     beyond tolerance, ``NOT_CHECKED`` without torch). ``torch_python``: run the PyTorch side
-    in that Python instead of this one."""
+    in that Python instead of this one; ``reference``: float64 or none (torch_side's)."""
     directory = pathlib.Path(directory or REPO / "runs" / f"xcheck-{config}-{dtype}-{seed}")
     export_in_child(directory, config=config, overrides=overrides, dtype=dtype, seed=seed)
     if torch_python:
-        report = check_in_child(torch_python, directory, torch_device)
+        report = check_in_child(torch_python, directory, torch_device, reference)
         return write_record(report, directory, dtype=dtype, seed=seed, command=command,
                             record_dir=record_dir)
     if not torch_available():
@@ -93,7 +94,7 @@ def run(*, config: str, overrides: list[str], dtype: str, seed: int, directory: 
     import torch
 
     device = torch_device or ("cuda" if torch.cuda.is_available() else "cpu")
-    report = torch_side.check(directory, device=device,
+    report = torch_side.check(directory, device=device, reference=reference,
                               log=lambda line: print(line, file=sys.stderr))
     print(torch_side.format_report(report))
     return write_record(report, directory, dtype=dtype, seed=seed, command=command,

@@ -411,9 +411,9 @@ class Decoder(nn.Module):
         # The untied head as nn.Linear(H, V') (weight [V', H]); its padded rows are never read.
         self.lm_head = None if config["tie_embeddings"] else linear_from(w["head"])
 
-    def forward(self, tokens, targets, positions, segment_ids, ignore_index: int):
+    def forward(self, tokens, targets, positions, segment_ids, inverse_frequencies,
+                ignore_index: int):
         config = self.config
-        inverse_frequencies = rope_inverse_frequencies(config, tokens.device)
         h = self.embed_tokens(tokens.long())
         counts = []
         for layer in self.layers:
@@ -441,13 +441,18 @@ class Decoder(nn.Module):
 def model(a: dict, p: dict) -> dict:
     config = p["model"]
     weights = {name: tensor for name, tensor in a.items()
-               if not name.startswith("batch.") and not name.startswith("grad.")}
+               if not name.startswith(("batch.", "grad.", "rope."))}
     decoder = Decoder(weights, config)
+    # The rotation uses the exported fp32 table (see its manifest entry); the table itself is
+    # compared with this side's own.
+    frequencies = a["rope.inverse_frequencies"].to(torch.float32)
     loss, counts = decoder(a["batch.tokens"], a["batch.targets"], a["batch.positions"],
-                           a["batch.segment_ids"], p["ignore_index"])
+                           a["batch.segment_ids"], frequencies, p["ignore_index"])
     loss.backward()
     grads = {f"grad.{name}": grad for name, grad in decoder.exported_grads().items()}
-    return {"loss": loss, "expert_counts": counts, **grads}
+    return {"loss": loss, "expert_counts": counts,
+            "rope.inverse_frequencies.recomputed": rope_inverse_frequencies(
+                config, frequencies.device), **grads}
 
 
 CASES: dict[str, Callable[[dict, dict], dict]] = {
