@@ -379,8 +379,6 @@ def adamw_case(trainer, rng) -> Case:
         case.add(f"params.{name}", value, "input", f"{list(value.shape)} initial working "
                  f"params (the fp32 master starts as their upcast)")
     state = optimizer.init(params)
-    previous = {name: np.asarray(jax.device_get(leaf)).astype(np.float32)
-                for name, leaf in params.items()}
     rates = []
     for step in range(ADAMW_STEPS):
         raw = {name: _normal(rng, shape) for name, shape in shapes.items()}
@@ -396,13 +394,8 @@ def adamw_case(trainer, rng) -> Case:
         for name in shapes:
             case.add(f"step{step}.master.{name}", master[name], "output",
                      f"fp32 master after step {step}")
-            case.add(f"step{step}.update.{name}", master[name].astype(np.float64)
-                     - previous[name].astype(np.float64), "output",
-                     f"step {step}'s change of the master (float64 difference of fp32 values: "
-                     f"the update itself, not hidden by the master's magnitude)")
             case.add(f"step{step}.working.{name}", working[name], "output",
                      f"working params after step {step} (the master in the params' dtype)")
-        previous = master
     case.add("learning_rate", np.asarray(rates, np.float32), "output",
              "[steps] the schedule's learning rate at each step")
     return case

@@ -214,10 +214,7 @@ def adamw(a: dict, p: dict) -> dict:
         optimizer.step()
         scheduler.step()
         for name, param in zip(leaves, master):
-            before = out.get(f"step{step - 1}.master.{name}", a[f"params.{name}"].to(master_dtype))
             out[f"step{step}.master.{name}"] = param.detach().clone()
-            out[f"step{step}.update.{name}"] = (param.detach().to(torch.float64)
-                                                 - before.to(torch.float64))
             # .to() returns the parameter itself when the dtypes agree: copy, for the
             # in-place steps that follow.
             out[f"step{step}.working.{name}"] = param.detach().to(working_dtype, copy=True)
