@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from peakflat_jax import mesh as mop
 from peakflat_jax.config import Config, ConfigError, offload_count, to_dict
@@ -124,6 +126,11 @@ class Trainer:
         else:
             self.optimizer = DeviceAdamW(self.config.optimizer, self.total_steps)
             opt_state = jax.jit(self.optimizer.init)(params)
+            # Scalars (the step count) come out on one device: replicate them over the mesh,
+            # where the step and a checkpoint's restore expect every array.
+            replicated = NamedSharding(self.mesh, P())
+            opt_state = jax.tree.map(lambda a: a if isinstance(a.sharding, NamedSharding)
+                                     else jax.device_put(a, replicated), opt_state)
         return TrainState(params, extras, opt_state, 0)
 
     # -- the compiled programs ------------------------------------------------------------------
@@ -161,7 +168,11 @@ class Trainer:
                 loss, counts, grads, grad_norm, extras = self._gradients(params, extras, batch)
                 return dict(loss=loss, grad_norm=grad_norm, counts=counts), grads, extras
 
-            self._gradient_step = jax.jit(gradient_step, donate_argnums=(1,)).lower(
+            grad_shardings = jax.tree.map(lambda a: a.sharding, state.params)
+            extras_shardings = jax.tree.map(lambda a: a.sharding, state.extras)
+            self._gradient_step = jax.jit(
+                gradient_step, donate_argnums=(1,),
+                out_shardings=(None, grad_shardings, extras_shardings)).lower(
                 state.params, state.extras, batch).compile()
             self._check_fits(self._gradient_step, "the loss and gradient program")
         else:
@@ -171,7 +182,11 @@ class Trainer:
                 return params, extras, opt_state, dict(loss=loss, grad_norm=grad_norm,
                                                        counts=counts)
 
-            self._train_step = jax.jit(train_step, donate_argnums=(0, 1, 2)).lower(
+            # The state comes out where it went in: each step's inputs match the compiled ones.
+            kept = jax.tree.map(lambda a: a.sharding, (state.params, state.extras,
+                                                       state.opt_state))
+            self._train_step = jax.jit(train_step, donate_argnums=(0, 1, 2),
+                                       out_shardings=(*kept, None)).lower(
                 state.params, state.extras, state.opt_state, batch).compile()
             self._check_fits(self._train_step, "the train step")
 
@@ -210,8 +225,13 @@ class Trainer:
         return {key: jax.make_array_from_process_local_data(sharding, value)
                 for key, value in local.items()}
 
-    def run(self, *, resume: bool = False, progress: bool | None = None) -> dict:
+    def run(self, *, resume: bool = False, progress: bool | None = None,
+            stop_after: int | None = None) -> dict:
+        """Trains to ``train.steps`` (or stops after step ``stop_after``, as an interrupted run
+        would) and returns the summary."""
         config = self.config
+        last_step = self.total_steps if stop_after is None else min(stop_after,
+                                                                    self.total_steps)
         progress = config.train.progress if progress is None else progress
         checkpoints = ckpt.Checkpoints(self.run_dir / "checkpoints", config)
         state = self.initial_state()
@@ -228,7 +248,7 @@ class Trainer:
         history = []
         compiled = False
         try:
-            while state.step < self.total_steps:
+            while state.step < last_step:
                 batch = self.global_batch(next(self.batches))
                 valid = int(jnp.sum(batch["targets"] != IGNORE))
                 if not compiled:
