@@ -61,7 +61,7 @@ from peakflat_jax import skew
 from peakflat_jax.config import Config, load_config, to_dict
 from peakflat_jax.model.decoder import IGNORE
 from peakflat_jax.ops.global_forms import pipelined_moe_global, ring_cross_entropy_global
-from peakflat_jax.ops.llep_plan import llep_assignment
+from peakflat_jax.ops.llep_plan import LLEPConfig, llep_assignment
 from peakflat_jax.ops.ring_cross_entropy import ring_cross_entropy
 from peakflat_jax.ops.sco import sco_scan
 
@@ -259,8 +259,8 @@ def moe_case(trainer, rng) -> Case:
     y, vjp = jax.jit(lambda *args: jax.vjp(moe, *args))(x, gates, w_gate, w_up, w_down)
     grads = jax.jit(vjp)(cotangent)
     loads = jnp.asarray(np.bincount(ids.reshape(-1), minlength=experts))
-    plan = np.asarray(llep_assignment(loads, width, threshold=llep.threshold,
-                                      capacity=llep.capacity, min_tokens=min_tokens))
+    plan = np.asarray(llep_assignment(loads, width, LLEPConfig(
+        threshold=llep.threshold, capacity=llep.capacity, min_tokens=min_tokens)))
     owner = np.arange(experts) // (experts // width)
     foreign = plan * (owner[:, None] != np.arange(width)[None, :])
     chunks = min(math.ceil(per_device / token_budget), config.operators.max_chunks)
