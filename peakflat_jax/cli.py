@@ -3,6 +3,12 @@
     peakflat train CONFIG [section.field=value ...] [--resume] [--run-dir DIR] [--no-progress]
     peakflat bench OPERATOR [--preset cpu|gpu|gpu-x8] [--only TEXT]... [--repeats N]
                       [--trace-steps N] [--out-dir DIR] [--json]
+    peakflat xcheck export DIR [--config CONFIG] [--dtype float32|bfloat16] [--seed S]
+                      [section.field=value ...]
+    peakflat xcheck run [--config CONFIG] [--dtype D] [--seed S] [--dir DIR]
+                      [--record-dir DIR] [--torch-device DEVICE] [--torch-python PYTHON]
+                      [--reference float64|none]
+                      [section.field=value ...]
 
 CONFIG is a YAML file or the name of a preset in configs/ (tiny, h200-1, ...).
 """
@@ -93,6 +99,32 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _xcheck(args: argparse.Namespace) -> int:
+    from peakflat_jax.config import ConfigError
+
+    if args.action == "run":
+        from peakflat_jax.xcheck.run import run
+
+        return run(config=args.config, overrides=args.overrides, dtype=args.dtype,
+                   seed=args.seed, directory=args.dir, record_dir=args.record_dir,
+                   torch_device=args.torch_device, torch_python=args.torch_python,
+                   reference=args.reference,
+                   command=shlex.join(["peakflat", *args.argv]))
+    _enable_compilation_cache()
+    from peakflat_jax.xcheck.export import export
+
+    try:
+        manifest = export(args.directory, config=args.config, overrides=tuple(args.overrides),
+                          dtype=args.dtype, seed=args.seed)
+    except ConfigError as error:
+        print(f"peakflat xcheck export: {error}", file=sys.stderr)
+        return 2
+    print(f"exported {len(manifest['cases'])} cases ({', '.join(manifest['cases'])}) to "
+          f"{args.directory}; check them with: python peakflat_jax/xcheck/torch_side.py "
+          f"{shlex.quote(str(args.directory))}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="peakflat", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,6 +152,27 @@ def main(argv: list[str] | None = None) -> int:
                             "ring_dtp, sco)")
     bench.add_argument("--out-dir", help="where the JSON record goes (default scripts/results)")
     bench.add_argument("--json", action="store_true", help="print the whole record as JSON")
+    xcheck = commands.add_parser("xcheck", help="cross-check the JAX stack against PyTorch")
+    actions = xcheck.add_subparsers(dest="action", required=True)
+    export = actions.add_parser("export", help="write inputs, JAX outputs and gradients")
+    export.add_argument("directory", help="where the .npz files and manifest.json go")
+    run = actions.add_parser("run", help="export, then the PyTorch side where torch imports")
+    run.add_argument("--dir", help="the export directory (default runs/xcheck-CONFIG-DTYPE-S)")
+    run.add_argument("--record-dir", help="where the JSON record goes (default scripts/results)")
+    run.add_argument("--torch-device", help="torch device (default cuda where available)")
+    run.add_argument("--torch-python", help="run the PyTorch side in this Python instead (e.g. "
+                                            ".venv-torch/bin/python from "
+                                            "scripts/xcheck_torch_env.sh)")
+    run.add_argument("--reference", choices=("float64", "none"), default="float64",
+                     help="also compute each case in float64 on the PyTorch side (informative "
+                          "columns; none halves its time and memory)")
+    for action in (export, run):
+        action.add_argument("--config", default="tiny",
+                            help="a YAML file, or a preset's name in configs/ (default tiny)")
+        action.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+        action.add_argument("--seed", type=int, default=0)
+        action.add_argument("overrides", nargs="*", metavar="section.field=value",
+                            help="config overrides, e.g. data.seq_len=64")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     args.argv = argv
@@ -127,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         enable_compilation_cache()
         return _train(args)
+    if args.command == "xcheck":
+        return _xcheck(args)
     return _bench(args)
 
 
