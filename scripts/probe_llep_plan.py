@@ -3,8 +3,8 @@ under the rule the operator runs and the variants issue 19 compared it with; the
 ``llep_plan.default_max_foreign_experts`` (docs/pipelined_moe.md, "The LLEP plan").
 
 Loads: E = 128 experts, top-8, D = 2, 4, 8 ranks. The paper's profiles at 65,536 tokens per rank
-(every rank routes alike, ``peakflat_jax.skew``), and Zipf loads at 65,536 and 8,192 tokens per
-rank: each token picks 8 distinct experts with probability proportional to rank^-s (Gumbel
+(every rank routes alike, ``peakflat_jax.skew``), and Zipf loads at 65,536, 8,192 and 512 tokens
+per rank (at 512, min_tokens is a quarter of a device's capacity: small rooms): each token picks 8 distinct experts with probability proportional to rank^-s (Gumbel
 top-k), the ranks a random permutation of the experts, several exponents s and seeds.
 
 Rules (``tests/llep_reference.py``): ``adopted`` (the operator's; checked equal to
@@ -44,7 +44,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 from llep_reference import foreign_pieces, plan  # noqa: E402
 
 EXPERTS, TOP_K, MIN_TOKENS = 128, 8, 1024
-PAPER_TOKENS, ZIPF_TOKENS = 65536, (65536, 8192)
+PAPER_TOKENS, ZIPF_TOKENS = 65536, (65536, 8192, 512)
 DEVICES = (2, 4, 8)
 EXPONENTS = (0.6, 0.8, 1.0, 1.2, 1.5)
 BOUNDS = (1, 2, 3, 4, 6, 8)
