@@ -1,11 +1,13 @@
-"""Probe (CPU, seconds): what the LLEP plan does on the paper's profiles and on random Zipf loads,
-under the rule the operator runs and the variants issue 19 compared it with; the numbers behind
-``llep_plan.default_max_foreign_experts`` (docs/pipelined_moe.md, "The LLEP plan").
+"""Probe (CPU, about 25 minutes on 2 cores): what the LLEP plan does on the paper's profiles and
+on random Zipf loads, under the rule the operator runs and the variants issue 19 compared it
+with; the numbers behind ``llep_plan.default_max_foreign_experts`` (docs/pipelined_moe.md, "The
+LLEP plan").
 
 Loads: E = 128 experts, top-8, D = 2, 4, 8 ranks. The paper's profiles at 65,536 tokens per rank
 (every rank routes alike, ``peakflat_jax.skew``), and Zipf loads at 65,536, 8,192 and 512 tokens
-per rank (at 512, min_tokens is a quarter of a device's capacity: small rooms): each token picks 8 distinct experts with probability proportional to rank^-s (Gumbel
-top-k), the ranks a random permutation of the experts, several exponents s and seeds.
+per rank (at 512, min_tokens is a quarter of a device's capacity: small rooms). A Zipf token
+picks 8 distinct experts with probability proportional to rank^-s (Gumbel top-k), the ranks a
+random permutation of the experts, several exponents s and seeds.
 
 Rules (``tests/llep_reference.py``): ``adopted`` (the operator's; checked equal to
 ``llep_plan.llep_assignment`` on every load), ``overfill`` (a helper whose room is below

@@ -65,10 +65,19 @@ class LLEPConfig:
         return default_max_foreign_experts(num_experts, num_devices)
 
 
+# The most foreign experts a device hosted over the plans of the paper's profiles and of random
+# Zipf loads (E = 128, top-8, D = 2, 4, 8) was 5; one more for loads beyond those
+# (docs/pipelined_moe.md, "The LLEP plan").
+DEFAULT_MAX_FOREIGN_EXPERTS = 6
+
+
 def default_max_foreign_experts(num_experts: int, num_devices: int) -> int:
-    """The foreign-expert bound when none is given: E_l, as many as a device owns (0 on one
-    device)."""
-    return num_experts // num_devices if num_devices > 1 else 0
+    """The foreign-expert bound when none is given: ``DEFAULT_MAX_FOREIGN_EXPERTS``, or all
+    the experts a device does not own if fewer (0 on one device). A plan that would exceed it
+    keeps the excess with the owner (module doc, step 4)."""
+    if num_devices < 2:
+        return 0
+    return min(DEFAULT_MAX_FOREIGN_EXPERTS, num_experts - num_experts // num_devices)
 
 
 def plain_assignment(loads: jax.Array, num_devices: int) -> jax.Array:
