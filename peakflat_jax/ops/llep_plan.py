@@ -14,13 +14,15 @@ Algorithm (SPEC.md, Operator 1, step 2; the paper's Alg. 2, as the public LLEP c
 2. Capacity ``m_a = ceil(capacity * T / D)``. Experts in descending load (ties by id); an
    expert's load leaves its owner's *pending* load (its experts not yet planned) when its turn
    comes. The owner keeps ``m_a - (assigned + pending)`` of it, at least 0: it holds room back
-   for its own experts still to come, so an overloaded owner spills a little of each expert
-   instead of keeping its largest and spilling every later one whole.
+   for its own experts still to come, so an overloaded owner spills its overload from the
+   experts it plans first (its largest) and keeps the later ones, instead of keeping its
+   largest and spilling every later one whole, however small.
 3. The excess goes, piece by piece, to the helper with the lowest ``assigned + pending`` (ties
    by id): a piece is ``min(excess, room)`` of its room ``m_a - (assigned + pending)``, if that
    room is at least ``min_tokens`` or holds the whole excess. Otherwise no helper can take a
    piece (the least loaded has the most room), and the whole excess goes to that least loaded
-   helper: one piece past its capacity rather than many small ones.
+   helper: one piece past its capacity rather than many small ones (the room it holds back for
+   its own experts is then negative, so they spill in their turn).
 4. A device hosts at most ``max_foreign_experts`` foreign experts (static buffers); helpers at
    that bound are passed over, and when none is left the excess stays with the owner.
 
