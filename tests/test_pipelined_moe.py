@@ -258,7 +258,7 @@ BOUND_CASES = [
     pytest.param(2, 8, 512, 4, 256, 128, "bfloat16", "mosaic", dict(token_budget=64),
                  id="bf16-mosaic-E_p2"),  # 1.24
     pytest.param(8, 16, 256, 2, 128, 128, "float32", "xla", dict(token_budget=64),
-                 id="f32-xla-E_p8"),  # 1.36
+                 id="f32-xla-E_p8"),  # 1.32
     pytest.param(4, 16, 1024, 2, 128, 256, "float32", "mosaic",
                  dict(token_budget=128, balance="none"), id="f32-mosaic-ep-F>H"),  # 1.22
     pytest.param(8, 16, 512, 8, 512, 128, "float32", "mosaic", dict(token_budget=128),
@@ -285,7 +285,7 @@ def test_memory_terms_bound_the_cpu_plan(devices, experts, tokens, top_k, hidden
 def test_unchunked_terms_bound_one_chunk():
     """The baseline's terms (one chunk, plain EP) bound its CPU plan: measured 1.15x. With
     bf16 at the GPU shapes XLA reuses more of a single chunk's buffers and the bound is looser
-    (up to 2.5x: docs/pipelined_moe.md)."""
+    (up to 2.3x: docs/pipelined_moe.md)."""
     temp = planned_temp(4, 16, 1024, 2, 128, 256, "float32", "mosaic", balance="none")
     terms = unchunked_moe_memory_terms(num_tokens=1024, hidden=128, ffn=256, top_k=2,
                                        num_experts=16, num_devices=4, dtype="float32",
@@ -315,7 +315,10 @@ def test_bound_holds_inside_an_enclosing_checkpoint():
     devices, experts, tokens, top_k = 4, 8, 1024, 4
     mesh = make_mesh(("expert", devices))
     hidden, ffn = 64, 32
-    fn = jax.checkpoint(moe_fn(mesh, experts, token_budget=32, max_chunks=64))
+    # G = E_l + 2 foreign groups: ragged_dot's [G, M, H] expansion on CPU stays below the rank's
+    # N * k * H (the default bound, 6 here, would make it equal).
+    fn = jax.checkpoint(moe_fn(mesh, experts, token_budget=32, max_chunks=64,
+                               max_foreign_experts=2))
     shape = lambda *s, dtype=jnp.float32: jax.ShapeDtypeStruct(s, dtype)  # noqa: E731
     args = (shape(devices * tokens, hidden), shape(devices * tokens, top_k, dtype=jnp.int32),
             shape(devices * tokens, top_k), shape(experts, hidden, ffn),
