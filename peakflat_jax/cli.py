@@ -110,7 +110,7 @@ def _xcheck(args: argparse.Namespace) -> int:
                    torch_device=args.torch_device, torch_python=args.torch_python,
                    reference=args.reference,
                    command=shlex.join(["peakflat", *args.argv]))
-    _enable_compilation_cache()
+    enable_compilation_cache()
     from peakflat_jax.xcheck.export import export
 
     try:
