@@ -171,6 +171,6 @@ def test_skewed_paper_profile_is_balanced_to_capacity():
 def test_default_foreign_bound():
     assert default_max_foreign_experts(128, 1) == 0
     assert default_max_foreign_experts(128, 2) == default_max_foreign_experts(128, 8) == 6
-    assert default_max_foreign_experts(8, 4) == 6 and default_max_foreign_experts(4, 2) == 2
+    assert default_max_foreign_experts(8, 4) == 2 and default_max_foreign_experts(64, 8) == 6
     assert LLEPConfig().foreign_bound(128, 2) == default_max_foreign_experts(128, 2)
     assert LLEPConfig(max_foreign_experts=3).foreign_bound(128, 2) == 3

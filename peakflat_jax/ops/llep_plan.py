@@ -74,12 +74,13 @@ DEFAULT_MAX_FOREIGN_EXPERTS = 6
 
 
 def default_max_foreign_experts(num_experts: int, num_devices: int) -> int:
-    """The foreign-expert bound when none is given: ``DEFAULT_MAX_FOREIGN_EXPERTS``, or all
-    the experts a device does not own if fewer (0 on one device). A plan that would exceed it
-    keeps the excess with the owner (module doc, step 4)."""
+    """The foreign-expert bound when none is given: ``DEFAULT_MAX_FOREIGN_EXPERTS``, or E_l if
+    a device owns fewer experts (no more foreign experts than it owns, the bound before the
+    census; 0 on one device). A plan that would exceed it keeps the excess with the owner
+    (module doc, step 4)."""
     if num_devices < 2:
         return 0
-    return min(DEFAULT_MAX_FOREIGN_EXPERTS, num_experts - num_experts // num_devices)
+    return min(DEFAULT_MAX_FOREIGN_EXPERTS, num_experts // num_devices)
 
 
 def plain_assignment(loads: jax.Array, num_devices: int) -> jax.Array:
