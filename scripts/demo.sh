@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main job on 8 simulated CPU devices: until the trainer exists, the Ring-DTP benchmark at
-# CPU size with its memory table (XLA's plan on CPU; peaks need a GPU: scripts/bench_ring_dtp.py).
+# The main job, on any machine: trains configs/tiny.yaml (a 2.7M-parameter MoE, all four
+# operators on) on 8 simulated CPU devices, or on the GPUs present with overrides for them.
+# Extra arguments are config overrides, e.g. `bash scripts/demo.sh train.steps=10`.
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
-exec peakflat bench ring_dtp --preset cpu --out-dir "${PEAKFLAT_OUT:-out}" "$@"
+exec peakflat train tiny --run-dir "${PEAKFLAT_OUT:-runs/tiny}" "$@"

@@ -69,10 +69,10 @@ case "${1:-}" in
       --only '"offload": 12' \
       --only scan --out-dir "$out" ;;
   h200-sco-plan)
-    timeout 300 python3 scripts/probe_sco_plan.py --offload 24 12 --min-gb 0.5 \
+    timeout 300 python3 scripts/probes/probe_sco_plan.py --offload 24 12 --min-gb 0.5 \
       --out-dir "$out" ;;
   h200-kernels)
-    timeout 300 python3 scripts/probe_grouped_matmul.py --out-dir "$out" ;;
+    timeout 300 python3 scripts/probes/probe_grouped_matmul.py --out-dir "$out" ;;
   h200-adamw)
     timeout 560 python3 scripts/bench_offload_adamw.py --preset gpu --only '"method": "link"' \
       --only whole_state --only host_cpu --only '"bucket_params": 500000000' \
@@ -87,7 +87,7 @@ case "${1:-}" in
     PEAKFLAT_ARTIFACTS="$out" timeout 560 python3 scripts/bench_moe_dispatch.py --preset gpu \
       --trace-steps 1 --only "$prefix" --out-dir "$out" ;;
   x2-ragged)
-    timeout 300 python3 scripts/probe_ragged_exchange.py --out-dir "$out" ;;
+    timeout 300 python3 scripts/probes/probe_ragged_exchange.py --out-dir "$out" ;;
   x8-ring)
     timeout 560 python3 scripts/bench_ring_dtp.py --preset gpu-x8 --out-dir "$out" ;;
   x8-moe)

@@ -1,5 +1,6 @@
 """The least-loaded plan as a plain Python loop: the oracle of tests/test_llep_plan.py, and the
-rule variants that scripts/probe_llep_plan.py compares (docs/pipelined_moe.md, "The LLEP plan").
+rule variants that scripts/probes/probe_llep_plan.py compares (docs/pipelined_moe.md, "The LLEP
+plan").
 
 Written from the rule (SPEC.md, Operator 1, step 2; the paper's Alg. 2; the behaviour of the
 public LLEP code on the same loads), not from any implementation:

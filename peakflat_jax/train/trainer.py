@@ -46,6 +46,12 @@ from peakflat_jax.train import data as data_pipeline
 from peakflat_jax.train import metrics as report
 from peakflat_jax.train.optimizer import DeviceAdamW, learning_rate_schedule, make_offloaded
 
+_PROGRAM_NAMES = ("_gradient_step", "_overlapped_step", "_train_step", "xla_plan")
+_PROGRAMS: dict[tuple, dict] = {}
+"""The compiled step programs of this process, by config and devices."""
+_OPTIMIZERS: dict[tuple, object] = {}
+"""The offloaded optimizer of each config in this process (it holds its compiled step)."""
+
 
 class DoesNotFit(RuntimeError):
     """A configuration whose step needs more device memory than there is."""
@@ -128,18 +134,19 @@ class Trainer:
         self.graphdef = graphdef
         params, extras = split_model_state(state)
         if self.offloaded_optimizer:
-            self.optimizer = make_offloaded(self.config.optimizer, self.total_steps)
+            # One optimizer object per config in a process: its compiled step is reused.
+            self.optimizer = _OPTIMIZERS.setdefault(
+                self._program_key(), make_offloaded(self.config.optimizer, self.total_steps))
             # Each MoE layer's weights form their own buckets (layer groups), in both modes, so
             # that overlapping changes no bit.
             opt_state = self.optimizer.init(params, stacked_layers=moe_stack_mask(params))
         else:
             self.optimizer = DeviceAdamW(self.config.optimizer, self.total_steps)
-            opt_state = jax.jit(self.optimizer.init)(params)
-            # Scalars (the step count) come out on one device: replicate them over the mesh,
-            # where the step and a checkpoint's restore expect every array.
-            replicated = NamedSharding(self.mesh, P())
-            opt_state = jax.tree.map(lambda a: a if isinstance(a.sharding, NamedSharding)
-                                     else jax.device_put(a, replicated), opt_state)
+            # The master and moments sharded like the params (FSDP), the step counts
+            # replicated: left to itself, jit put optax's zeros on every device whole.
+            shardings = shardings_like_params(jax.eval_shape(self.optimizer.init, params),
+                                              params, NamedSharding(self.mesh, P()))
+            opt_state = jax.jit(self.optimizer.init, out_shardings=shardings)(params)
         return TrainState(params, extras, opt_state, 0)
 
     # -- the compiled programs ------------------------------------------------------------------
@@ -171,7 +178,24 @@ class Trainer:
         return loss, counts, grads, grad_norm, self._balanced_extras(extras, counts)
 
     def compile(self, state: TrainState, batch) -> None:
-        """Compiles the step's programs and checks XLA's plan against the device's memory."""
+        """Compiles the step's programs and checks XLA's plan against the device's memory.
+        Programs compiled earlier in this process for the same config and devices (a resumed
+        run, a test) are reused."""
+        key = self._program_key()
+        if key in _PROGRAMS:
+            for name, value in _PROGRAMS[key].items():
+                setattr(self, name, value)
+            self._check_fits(None, "the step")
+            return
+        self._compile(state, batch)
+        _PROGRAMS[key] = {name: getattr(self, name) for name in _PROGRAM_NAMES
+                          if hasattr(self, name)}
+
+    def _program_key(self) -> tuple:
+        return (json.dumps(to_dict(self.config), sort_keys=True),
+                tuple(d.id for d in np.asarray(self.mesh.devices).flat))
+
+    def _compile(self, state: TrainState, batch) -> None:
         if self.offloaded_optimizer:
             def gradient_step(params, extras, batch):
                 loss, counts, grads, grad_norm, extras = self._gradients(params, extras, batch)
@@ -211,7 +235,7 @@ class Trainer:
         from peakflat_jax.memory import compiled_memory
 
         limit = self.device_memory()
-        plan = compiled_memory(compiled)
+        plan = self.xla_plan if compiled is None else compiled_memory(compiled)
         self.xla_plan = plan
         if limit is not None and plan.total > limit:
             raise DoesNotFit(
@@ -424,6 +448,20 @@ class Trainer:
             "devices": mop.num_devices(self.mesh),
             "device_kind": jax.devices()[0].device_kind,
         }
+
+
+def shardings_like_params(tree, params, other):
+    """Shardings for ``tree`` (e.g. an optimizer state): each subtree shaped like ``params``
+    (a master copy, a moment) sharded leaf by leaf as the params are, every other leaf
+    ``other``."""
+    structure = jax.tree.structure(params)
+    param_shardings = jax.tree.map(lambda p: p.sharding, params)
+
+    def like_params(node) -> bool:
+        return jax.tree.structure(node) == structure
+
+    return jax.tree.map(lambda node: param_shardings if like_params(node) else other, tree,
+                        is_leaf=like_params)
 
 
 def moe_leaf_indices(params) -> list[int]:

@@ -9,7 +9,7 @@ The first H200 run of scripts/bench_sco.py (24 layers, N = 65,536, H = 4096) kep
 12), with only 1 GiB of host temp. This probe compiles a small stack with several placements of
 the backward's barriers and copies, one fresh process each, and keeps every optimized HLO.
 
-    PYTHONPATH=. python3 scripts/probe_sco.py --out-dir DIR
+    PYTHONPATH=. python3 scripts/probes/probe_sco.py --out-dir DIR
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def main():
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     record = harness.run_suite("scripts.probe_sco", "sco_probe", "gpu",
                                [dict(SHAPE, variant=v) for v in args.variants],
-                               command="python3 scripts/probe_sco.py", out_dir=out)
+                               command="python3 scripts/probes/probe_sco.py", out_dir=out)
     with tarfile.open(out / "sco_probe_hlo.tar", "w") as tar:
         tar.add(hlo_dir, arcname="hlo")
     for c in record["cases"]:

@@ -6,8 +6,8 @@
 2. Speed and memory of one chunk's dispatch and return at the paper's chunk size (c = 6554
    tokens, top-8, H = 7168, bf16), both forms: time of a jitted round trip and XLA's temp plan.
 
-    PYTHONPATH=. python3 scripts/probe_ragged_exchange.py --out-dir DIR      # 2+ GPUs
-    PYTHONPATH=. python3 scripts/probe_ragged_exchange.py --emulate --small  # CPU: a dry run
+    PYTHONPATH=. python3 scripts/probes/probe_ragged_exchange.py --out-dir DIR      # 2+ GPUs
+    PYTHONPATH=. python3 scripts/probes/probe_ragged_exchange.py --emulate --small  # CPU: a dry run
 
 ``--emulate`` passes the ragged exchange an emulated collective (``tests/ragged_emulation.py``;
 XLA:CPU has no ragged all-to-all), so a CPU run checks this script, not the GPU collective.
@@ -43,7 +43,7 @@ def exchanges(emulate: bool) -> dict:
     """The two forms by name; with ``emulate``, the ragged one over the CPU stand-in."""
     if not emulate:
         return {"padded": PaddedExchange(), "ragged": RaggedExchange()}
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests"))
     from ragged_emulation import emulated_ragged_all_to_all
     return {"padded": PaddedExchange(), "ragged": RaggedExchange(emulated_ragged_all_to_all)}
 

@@ -20,7 +20,7 @@ most foreign experts on one device, and the busiest device's load over the capac
 adopted rule under foreign bounds of 1 to 8: how far the busiest device ends over capacity when
 the bound keeps an excess at home.
 
-    PYTHONPATH=. python3 scripts/probe_llep_plan.py [--seeds 8] [--out-dir DIR]
+    PYTHONPATH=. python3 scripts/probes/probe_llep_plan.py [--seeds 8] [--out-dir DIR]
 
 Writes ``<out-dir>/llep_plan_probe_<date>.json`` (default scripts/results).
 """
@@ -42,7 +42,7 @@ from peakflat_jax import skew
 from peakflat_jax.bench import harness
 from peakflat_jax.ops.llep_plan import LLEPConfig, llep_assignment
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests"))
 from llep_reference import foreign_pieces, plan  # noqa: E402
 
 EXPERTS, TOP_K, MIN_TOKENS = 128, 8, 1024

@@ -8,7 +8,7 @@ Recorded in scripts/results/ring_dtp_block_probe_20261130.json. It found that XL
 backward's strip matmul with forward's (now prevented by an optimization barrier), and that the
 honest cost of the bounded loss is about 4/3 of the materialized one.
 
-    PYTHONPATH=. python3 scripts/probe_ring_blocks.py
+    PYTHONPATH=. python3 scripts/probes/probe_ring_blocks.py
 """
 
 import json

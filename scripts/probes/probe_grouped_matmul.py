@@ -20,7 +20,7 @@ Each measurement that fails is recorded (error and message) and the rest go on; 
 rewritten after each, to ``<out-dir>/grouped_matmul_probe_<date>.json``. Exit status 1 when a
 check failed or a measurement broke.
 
-    PYTHONPATH=. python3 scripts/probe_grouped_matmul.py --out-dir DIR [--no-sweep]
+    PYTHONPATH=. python3 scripts/probes/probe_grouped_matmul.py --out-dir DIR [--no-sweep]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ stand-in kernels (host callbacks of the kernels' output shapes). It answers "how
 setting save?" without a GPU; XLA:CPU plans differ from XLA:GPU's (no async collectives), so
 compare settings with each other, not with GPU peaks.
 
-    PYTHONPATH=. python3 scripts/plan_moe_memory.py --tokens 32768 --token-budget 6554 \
+    PYTHONPATH=. python3 scripts/probes/plan_moe_memory.py --tokens 32768 --token-budget 6554 \
         [--max-foreign-experts 16] [--devices 8] [--balance none] [--out-dir DIR]
 
 Each run writes ``<out-dir>/moe_plan_cpu_<date>.json`` (default scripts/results).

@@ -6,7 +6,7 @@ plan's allocations of at least ``--min-gb`` with the values that share each, fro
 memory-usage report. It answers which buffers make up the temporaries, e.g. whether backward's
 stacked parameter gradients live in the output buffer or in a temporary beside it.
 
-    PYTHONPATH=. python3 scripts/probe_sco_plan.py --offload 12 24 --out-dir DIR
+    PYTHONPATH=. python3 scripts/probes/probe_sco_plan.py --offload 12 24 --out-dir DIR
 """
 
 from __future__ import annotations
