@@ -1,5 +1,9 @@
 """Probe (GPU): the cost of Ring-DTP's vocab_block loop against the whole shard and the baseline.
 
+Finished probe: ran at commit 04dfe65 (plus in-place gradient accumulation), record below,
+summarized in docs/ring_cross_entropy.md. Kept for the record, not maintained: it replaces a
+private function of the operator (``_fold_blocks``).
+
 Recorded in scripts/results/ring_dtp_block_probe_20261130.json. It found that XLA merged
 backward's strip matmul with forward's (now prevented by an optimization barrier), and that the
 honest cost of the bounded loss is about 4/3 of the materialized one.

@@ -1,5 +1,9 @@
 """Probe (GPU): where SCO's device memory goes when boundaries are offloaded.
 
+Finished probe: ran at commits 54abdc4 and 267913d, records
+scripts/results/sco_probe_gpu_20261130-{044920,045914}.json, summarized in docs/sco.md. Kept for
+the record, not maintained: it calls private functions of the operator.
+
 The first H200 run of scripts/bench_sco.py (24 layers, N = 65,536, H = 4096) kept the step time
 (10.26 s vs 10.25 s) but raised XLA's device temp from 30.9 GB (offload 0) to 91.7 GB (offload
 12), with only 1 GiB of host temp. This probe compiles a small stack with several placements of

@@ -1,4 +1,5 @@
-"""Ring-DTP: values and gradients against the float64 reference, memory, and bad input."""
+"""Ring-DTP: values and gradients against the float64 reference, memory (the bound's terms
+against XLA's CPU plan, no logits-sized array), and bad input."""
 
 import re
 
@@ -6,11 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import iter_eqns, relative_error
 from conftest import make_mesh
 from jax.sharding import PartitionSpec as P
 
 import peakflat_jax as pf
 from peakflat_jax import memory, reference
+from peakflat_jax.ops import ring_cross_entropy as rce
 
 LOSS_TOL = 1e-5  # fp32, simple: one log-sum-exp per token
 GRAD_TOL = 1e-4  # fp32, complex: a replayed ring of matmuls
@@ -19,11 +22,6 @@ BF16_TOL = 2.0**-8  # a bf16 result: round-to-nearest alone costs up to 2^-9 rel
 
 def grad_tolerance(dtype, fp32_tol=GRAD_TOL) -> float:
     return fp32_tol if dtype == jnp.float32 else BF16_TOL
-
-
-def relative_error(actual, expected) -> float:
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
 
 
 def ring_loss_fn(mesh, axes=("vocab",), token_axes=None, **kwargs):
@@ -204,16 +202,14 @@ def test_masked_invalid_target_leaves_gradients_finite(rng):
 def test_auto_moves_the_smaller_operand(rng, tokens_per_rank, expect_hop_of):
     ring_size, hidden, shard_width = 4, 24, 16
     mesh = make_mesh(("vocab", ring_size))
-    x, w, t, cotangent = draw_case(rng, tokens=ring_size * tokens_per_rank, hidden=hidden,
-                                   padded_vocab=ring_size * shard_width, vocab_size=64)
-    loss_fn = ring_loss_fn(mesh, mode="auto")
-    text = jax.jit(loss_fn).lower(x, w, t).compile().as_text()
-    hop_shapes = set(re.findall(r"(\w+\[[\d,]+\])[^\n=]*= *\S* *collective-permute", text))
-    hop_shapes |= set(re.findall(r"= (\w+\[[\d,]+\])\{?[\d,]*\}? collective-permute(?:-start)?\(",
-                                 text))
-    expected = {"kernel": f"f32[{hidden},{shard_width}]",
-                "hidden": f"f32[{tokens_per_rank},{hidden}]"}[expect_hop_of]
-    assert any(expected in shape for shape in hop_shapes), (expected, hop_shapes)
+    x, w, t, _ = draw_case(rng, tokens=ring_size * tokens_per_rank, hidden=hidden,
+                           padded_vocab=ring_size * shard_width, vocab_size=64)
+    jaxpr = jax.make_jaxpr(ring_loss_fn(mesh, mode="auto"))(x, w, t).jaxpr
+    hop_shapes = {tuple(v.aval.shape) for eqn in iter_eqns(jaxpr, "ppermute")
+                  for v in eqn.invars}
+    kernel_hop, hidden_hop = (hidden, shard_width), (tokens_per_rank, hidden)
+    assert (kernel_hop in hop_shapes) == (expect_hop_of == "kernel")
+    assert (hidden_hop in hop_shapes) == (expect_hop_of == "hidden")
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -224,6 +220,12 @@ def compile_loss_and_grads(loss_fn, x, w, t):
         return jax.value_and_grad(lambda x, w: loss_fn(x, w, t).sum(), argnums=(0, 1))(x, w)
 
     return jax.jit(loss_and_grads).lower(x, w, t).compile()
+
+
+def materialized_loss_fn(mesh):
+    return jax.shard_map(
+        lambda x, w, t: reference.materialized_cross_entropy(x, w, t, axis_name="vocab"),
+        mesh=mesh, in_specs=(P("vocab"), P(None, "vocab"), P("vocab")), out_specs=P("vocab"))
 
 
 def abstract_case(ring_size, tokens_per_rank, hidden, vocab):
@@ -241,13 +243,11 @@ def test_no_logits_sized_array_in_forward_or_backward(mode):
     ring_size, tokens, vocab = 8, 2048, 131_072
     mesh, x, w, t = abstract_case(ring_size, tokens, 64, vocab)
     ring = compile_loss_and_grads(ring_loss_fn(mesh, mode=mode), x, w, t)
-    baseline = compile_loss_and_grads(jax.shard_map(
-        lambda x, w, t: reference.materialized_cross_entropy(x, w, t, axis_name="vocab"),
-        mesh=mesh, in_specs=(P("vocab"), P(None, "vocab"), P("vocab")), out_specs=P("vocab")),
-        x, w, t)
+    baseline = compile_loss_and_grads(materialized_loss_fn(mesh), x, w, t)
     memory.assert_no_array_at_least(ring, 2 * tokens * vocab // ring_size, what="logits strip")
     with pytest.raises(AssertionError):  # the check can fail: the baseline holds N x V logits
         memory.assert_no_array_at_least(baseline, 2 * tokens * vocab // ring_size)
+    # Measured: 0.125x (move_weights) and 0.124x (move_activations) of the baseline's temp.
     assert memory.compiled_memory(ring).temp <= memory.compiled_memory(baseline).temp / 4
 
 
@@ -261,14 +261,55 @@ def test_bound_holds_under_rematerialization():
     memory.assert_no_array_at_least(compiled, 2 * tokens * 1024, what="logits strip")
 
 
-def test_backward_recomputes_strips_instead_of_keeping_forwards():
-    """At P = 2 the ring is straight-line code: unless prevented, XLA merges backward's strip
-    matmul with forward's and keeps all N x V logits alive. 4 strip matmuls per meeting prove
-    the recomputation (forward 1; backward: recompute, dX, dW)."""
-    ring_size = 2
-    mesh, x, w, t = abstract_case(ring_size, 64, 16, 128)
-    text = compile_loss_and_grads(ring_loss_fn(mesh), x, w, t).as_text()
-    assert len(re.findall(r" dot\(", text)) == 4 * ring_size
+TERMS_CASES = [  # P, N per rank, H, Vs, mode, vocab_block, hidden dtype, kernel dtype
+    (1, 1024, 32, 32768, "auto", 2048, jnp.float32, jnp.float32),
+    (2, 256, 64, 4096, "move_weights", None, jnp.float32, jnp.float32),
+    (2, 256, 64, 4096, "move_activations", None, jnp.float32, jnp.float32),
+    (8, 512, 32, 4096, "move_activations", 1024, jnp.float32, jnp.float32),
+    (4, 1024, 64, 512, "move_weights", None, jnp.bfloat16, jnp.float32),
+    (4, 128, 64, 2048, "move_activations", None, jnp.float32, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", TERMS_CASES, ids=str)
+def test_memory_terms_bound_the_cpu_plan(case):
+    """ring_cross_entropy_memory_terms holds XLA's CPU plan of forward + backward; so does
+    materialized_memory_terms the baseline's. Measured plan / bound for the ring, in the order
+    above: 0.56, 0.76, 0.84, 0.61, 0.88, 0.86; the slack is the strips term (XLA:CPU fuses the
+    third strip, the cast of dY, into the matmuls, and within a block loop holds about two) and
+    the gradient partials (folded into the matmuls). Baseline: 0.93-0.99.
+    Compute dtypes are fp32 here: XLA:CPU upcasts the operands of bf16 x bf16 matmuls to fp32
+    copies, which a GPU does not, so a bf16 CPU plan exceeds the bound (up to 1.85x, measured)."""
+    ring_size, tokens, hidden, shard_width, mode, block, hidden_dtype, kernel_dtype = case
+    mesh = make_mesh(("vocab", ring_size))
+    x = jax.ShapeDtypeStruct((ring_size * tokens, hidden), hidden_dtype)
+    w = jax.ShapeDtypeStruct((hidden, ring_size * shard_width), kernel_dtype)
+    t = jax.ShapeDtypeStruct((ring_size * tokens,), jnp.int32)
+    terms = rce.ring_cross_entropy_memory_terms(tokens, hidden, shard_width, ring_size, block,
+                                                mode, hidden_dtype, kernel_dtype)
+    assert set(terms) == set(rce.MEMORY_FORMULAS)
+    ring = compile_loss_and_grads(ring_loss_fn(mesh, mode=mode, vocab_block=block), x, w, t)
+    assert memory.compiled_memory(ring).temp <= sum(terms.values())
+    baseline_terms = rce.materialized_memory_terms(tokens, hidden, shard_width, ring_size,
+                                                   kernel_dtype=kernel_dtype)
+    assert set(baseline_terms) == set(rce.MATERIALIZED_MEMORY_FORMULAS)
+    baseline = compile_loss_and_grads(materialized_loss_fn(mesh), x, w, t)
+    plan = memory.compiled_memory(baseline).temp
+    assert 0.9 * sum(baseline_terms.values()) <= plan <= sum(baseline_terms.values())
+
+
+def test_memory_terms_by_schedule():
+    terms = rce.ring_cross_entropy_memory_terms(100, 10, 50, 4, 20, "move_weights",
+                                                jnp.bfloat16, jnp.float32)
+    assert terms == {"strips": 3 * 100 * 20 * 4, "gradient_partials": (100 * 10 + 10 * 20) * 4,
+                     "token_statistics": 6 * 100 * 4, "hops": 2 * 10 * 50 * 8,
+                     "local": 100 * 10 * 4, "cast": 100 * 10 * 4}
+    # auto: N = 40 <= Vs moves activations; one device has no hops.
+    terms = rce.ring_cross_entropy_memory_terms(40, 10, 50, 4)
+    assert terms["hops"] == 2 * 40 * 10 * 8 + 2 * 4 * 40 * 4 and terms["local"] == 10 * 50 * 4
+    assert rce.ring_cross_entropy_memory_terms(40, 10, 50, 1)["hops"] == 0
+    with pytest.raises(ValueError, match="mode"):
+        rce.ring_cross_entropy_memory_terms(40, 10, 50, 4, mode="ring")
 
 
 def test_vocab_block_bounds_the_strip_on_one_device():
@@ -305,3 +346,21 @@ def test_bad_input_names_the_argument(change, argument):
     loss_fn = ring_loss_fn(mesh, **change.get("kwargs", {}))
     with jax.enable_x64(x.dtype == np.float64), pytest.raises(ValueError, match=argument):
         jax.jit(loss_fn).lower(x, w, t)
+
+
+# -- pinned to XLA's optimized HLO --------------------------------------------------------------
+# The property below is visible only after XLA's optimizations (the jaxpr always shows the
+# recomputation: it is XLA's common-subexpression pass that undoes it), and a CPU memory plan does
+# not show it either (XLA:CPU's plan at P = 2 is no larger with the merge). So this test counts
+# dots in the optimized HLO text and must be updated with XLA's output format. It guards the bug
+# found on an H200: scripts/results/ring_dtp_block_probe_20261130.json (docs/ring_cross_entropy.md).
+
+
+def test_backward_recomputes_strips_instead_of_keeping_forwards():
+    """At P = 2 the ring is straight-line code: unless prevented, XLA merges backward's strip
+    matmul with forward's and keeps all N x V logits alive. 4 strip matmuls per meeting prove
+    the recomputation (forward 1; backward: recompute, dX, dW)."""
+    ring_size = 2
+    mesh, x, w, t = abstract_case(ring_size, 64, 16, 128)
+    text = compile_loss_and_grads(ring_loss_fn(mesh), x, w, t).as_text()
+    assert len(re.findall(r" dot\(", text)) == 4 * ring_size

@@ -20,37 +20,32 @@ Two schedules move different operands around the ring (one hop = a ppermute to r
 
 ``mode="auto"`` moves weights when N > Vs (the smaller hop). Every hop for step s+1 is issued
 before step s's matmuls, and a travelling accumulator's hop is independent of the step's matmuls,
-so XLA may overlap both with compute.
+so XLA may overlap both with compute; a step's strips wait for the previous step's accumulators,
+so that only one meeting's strips are live.
 
 The backward pass is a custom VJP that keeps only the per-token log-sum-exp (plus the inputs)
 and replays the ring strip by strip: ``dY = (softmax(Y) - onehot(t)) * g``, ``dX += dY W^T``,
 ``dW += X^T dY``. It recomputes each strip: 4 N*H*V matmul-units against the materialized loss's
-3. That is the floor for an exact loss that never holds the logits, since the softmax of a strip
-needs the log-sum-exp over every shard first. Measured on H200 (scripts/results/ring_dtp_gpu_*):
-1.29-1.33x the materialized loss's time.
+3. That is the floor for an exact per-token loss that never holds the logits, since the softmax
+of a strip needs the log-sum-exp over every shard first.
 
-Memory bound (per device, besides inputs and outputs; b = bytes of the compute dtype):
-
-    strips:  3 * N * B * 4                     logits, dY and its cast, one strip at a time
-    hops:    2 * H * Vs * b + 2 * H * Vs * 4   move_weights: the shard in use and the next one;
-                                               fp32 dW in and out
-             2 * N * H * b + 2 * N * H * 4     move_activations: tokens in use and the next;
-                                               fp32 dX in and out (+ 4 fp32/int32 per token)
-    local:   N * H * 4  or  H * Vs * 4         the fp32 accumulator that stays home
-    cast:    N * H * 4  or  H * Vs * 4         only when hidden and kernel dtypes differ
-
-with B = min(vocab_block, Vs) (default Vs). No term has N * V; ``tests/`` prove that no array of
-2 * N * Vs elements exists in the compiled forward+backward program (also inside
-``jax.checkpoint`` with its default policy), and the benchmark measured 9.09 GiB against the
-materialized loss's 85.67 GiB at P = 2, N = 32,768, H = 7168, V = 200,000, B = 4096 (fp32, two
-H200s).
+Memory (per device, beyond inputs and outputs): ``ring_cross_entropy_memory_terms`` gives each
+term in bytes and ``MEMORY_FORMULAS`` its formula: one meeting's strips (3 * N * B * 4), the
+rotating operands and travelling accumulator (two of each, in and out), the accumulator that
+stays home, and a cast copy when hidden and kernel dtypes differ. No term has N * V; ``tests/``
+prove that no array of 2 * N * Vs elements exists in the compiled forward+backward program
+(also inside ``jax.checkpoint`` with its default policy). ``materialized_memory_terms`` gives
+the baseline's terms (the gathered kernel, the N x V logits, log-softmax and their gradient).
 
 Known limit: inside ``jax.checkpoint`` with a policy that saves matmul outputs
 (``dots_saveable`` and kin), the checkpoint's replay saves every strip of the forward ring, all
 N x V logits. The loss is its own rematerialization; keep it outside such regions.
 
+Measured: docs/ring_cross_entropy.md.
+
 Legend: N tokens on this rank, H hidden, P ring size, Vs vocab columns per shard (P * Vs >= V,
-the true vocab), B columns per strip (``vocab_block``), g the loss cotangent.
+the true vocab), B columns per strip (``vocab_block``), g the loss cotangent, b bytes of the
+compute dtype (the wider of hidden's and kernel's), b_h and b_k those of hidden and kernel.
 """
 
 from __future__ import annotations
@@ -68,6 +63,87 @@ from peakflat_jax._validate import as_int
 from peakflat_jax.ops._shard import vary_alike
 
 MODES = ("auto", "move_weights", "move_activations")
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# Targets become int32 codes before anything else: the id where it is in the vocabulary, else
+# one of these. Comparing in the caller's dtype could wrap (uint8 156 == -100).
+IGNORED, INVALID = -1, -2
+
+MEMORY_FORMULAS: dict[str, str] = {
+    "strips": "3 * N * B * 4: one strip's fp32 logits, dY and its cast",
+    "gradient_partials": "(N * H + H * B) * 4: one strip's fresh fp32 dX and dW products before "
+                         "they are added (XLA folds the add into the matmul on GPU)",
+    "token_statistics": "6 * N * 4: per-token fp32 max, sum, target logit, log-sum-exp, scale "
+                        "and the int32 target code",
+    "hops": "0 at P = 1; move_weights: 2 * H * Vs * (b + 4), the shard in use and the next, fp32 "
+            "dW in and out; move_activations: 2 * N * H * (b + 4) + 2 * 4 * N * 4, tokens in "
+            "use and the next, fp32 dX in and out, four per-token numbers in and out",
+    "local": "move_weights: N * H * 4 (fp32 dX); move_activations: H * Vs * 4 (fp32 dW)",
+    "cast": "N * H * b if hidden's dtype is narrower than the compute dtype, plus H * Vs * b if "
+            "kernel's is",
+}
+
+MATERIALIZED_MEMORY_FORMULAS: dict[str, str] = {
+    "gathered_kernel": "H * P * Vs * b_k: the all-gathered kernel",
+    "logits": "N * V * 4: fp32 logits",
+    "log_softmax": "N * V * 4: fp32 log-softmax",
+    "logits_gradient": "N * V * 4: its fp32 gradient",
+    "kernel_gradient": "H * P * Vs * 4: the gathered kernel's gradient before the reduce-scatter",
+}
+
+
+def _itemsize(dtype) -> int:
+    return jnp.dtype(dtype).itemsize
+
+
+def ring_cross_entropy_memory_terms(num_tokens: int, hidden: int, shard_width: int,
+                                    ring_size: int, vocab_block: int | None = None,
+                                    mode: str = "auto", hidden_dtype=jnp.float32,
+                                    kernel_dtype=jnp.float32) -> dict[str, int]:
+    """Per-device bytes of each term of Ring-DTP's bound (forward + backward), beyond inputs
+    and outputs: N = ``num_tokens`` on this rank, H = ``hidden``, Vs = ``shard_width``,
+    P = ``ring_size``, B = ``vocab_block`` (default Vs); ``mode`` as in ``ring_cross_entropy``
+    (``"auto"`` resolves by the same rule). Formulas: ``MEMORY_FORMULAS``."""
+    n, h, vs, p = (as_int(name, v) for name, v in (("num_tokens", num_tokens),
+                                                  ("hidden", hidden),
+                                                  ("shard_width", shard_width),
+                                                  ("ring_size", ring_size)))
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    block = vs if vocab_block is None else min(as_int("vocab_block", vocab_block), vs)
+    compute = _itemsize(jnp.result_type(hidden_dtype, kernel_dtype))
+    move_weights = mode == "move_weights" or (mode == "auto" and n > vs)
+    if p == 1:
+        hops = 0
+    elif move_weights:
+        hops = 2 * h * vs * (compute + 4)
+    else:
+        hops = 2 * n * h * (compute + 4) + 2 * 4 * n * 4
+    return {"strips": 3 * n * block * 4,
+            "gradient_partials": (n * h + h * block) * 4,
+            "token_statistics": 6 * n * 4,
+            "hops": hops,
+            "local": n * h * 4 if move_weights else h * vs * 4,
+            "cast": (n * h * compute if _itemsize(hidden_dtype) < compute else 0)
+            + (h * vs * compute if _itemsize(kernel_dtype) < compute else 0)}
+
+
+def materialized_memory_terms(num_tokens: int, hidden: int, shard_width: int, ring_size: int,
+                              vocab_size: int | None = None,
+                              kernel_dtype=jnp.float32) -> dict[str, int]:
+    """Per-device bytes of each term of the materialized vocab-parallel loss
+    (``reference.materialized_cross_entropy``: all-gathered kernel, N x V logits), forward +
+    backward, beyond inputs and outputs: the baseline the planner shows beside Ring-DTP.
+    Formulas: ``MATERIALIZED_MEMORY_FORMULAS``."""
+    n, h, vs, p = (as_int(name, v) for name, v in (("num_tokens", num_tokens),
+                                                  ("hidden", hidden),
+                                                  ("shard_width", shard_width),
+                                                  ("ring_size", ring_size)))
+    vocab = p * vs if vocab_size is None else as_int("vocab_size", vocab_size)
+    return {"gathered_kernel": h * p * vs * _itemsize(kernel_dtype),
+            "logits": n * vocab * 4,
+            "log_softmax": n * vocab * 4,
+            "logits_gradient": n * vocab * 4,
+            "kernel_gradient": h * p * vs * 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,11 +210,6 @@ def ring_cross_entropy(
     return _ring_cross_entropy(ring, hidden, kernel, codes)
 
 
-# Targets become int32 codes before anything else: the id where it is in the vocabulary, else
-# one of these. Comparing in the caller's dtype could wrap (uint8 156 == -100).
-IGNORED, INVALID = -1, -2
-SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-
 
 def _target_codes(targets, vocab_size: int, ignore_index: int):
     info = jnp.iinfo(targets.dtype)
@@ -198,8 +269,19 @@ def _drive_ring(ring: _Ring, step: Callable, rotating, local, travelling):
     for step s+1 is issued at the start of step s. ``travelling`` (an accumulator that rides with
     the rotating operands) arrives by a hop issued at the start of the step that updates it, and
     takes a last hop home after step P-1. ``local`` stays on this rank. The first and last steps
-    are peeled so that no hop is wasted; the middle ones are a ``lax.scan`` so that only one
-    step's strips are live at a time.
+    are peeled so that no hop is wasted; the middle ones are a ``lax.scan``, and each step waits
+    for the previous one's accumulators, so that only one step's strips are live at a time.
+
+    Its four uses (the schedules swap which accumulator stays and which travels):
+
+    ==================  ===========================  ==================  ======================
+    use                 rotating                     local (stays)       travelling
+    ==================  ===========================  ==================  ======================
+    forward, weights    kernel shard                 (m, z, y_t) [N]     none
+    forward, tokens     hidden, targets              none                (m, z, y_t) [N]
+    backward, weights   kernel shard                 fp32 dX [N, H]      fp32 dW [H, Vs]
+    backward, tokens    hidden, targets, lse, scale  fp32 dW [H, Vs]     fp32 dX [N, H]
+    ==================  ===========================  ==================  ======================
     """
     if ring.ring_size == 1:
         return step(0, rotating, local, travelling)
@@ -209,13 +291,27 @@ def _drive_ring(ring: _Ring, step: Callable, rotating, local, travelling):
     def middle_step(carry, s):
         rotating, local, travelling = carry
         incoming = ring.hop(rotating)
+        rotating, local, travelling = _after_previous_step(rotating, local, travelling)
         local, travelling = step(s, rotating, local, ring.hop(travelling))
         return (incoming, local, travelling), None
 
     (rotating, local, travelling), _ = lax.scan(
         middle_step, (incoming, local, travelling), jnp.arange(1, ring.ring_size - 1))
+    rotating, local, travelling = _after_previous_step(rotating, local, travelling)
     local, travelling = step(ring.ring_size - 1, rotating, local, ring.hop(travelling))
     return local, ring.hop(travelling)
+
+
+def _after_previous_step(rotating, local, travelling):
+    """Ties a step's rotating operands to the previous step's accumulators (before their hop).
+
+    Nothing else orders the meetings: a step's strips depend only on the operands, so in the
+    peeled first and last steps (and a middle scan of one step, which XLA unrolls) XLA computed
+    several meetings' strips at once (XLA:CPU's plan: five [N, Vs] strips at P = 2 instead of
+    three). The hops stay free: the next rotating hop is issued from the untied operands, and
+    the travelling accumulator's hop leaves after the tie, under this step's matmuls.
+    """
+    return lax.optimization_barrier((rotating, local, travelling))
 
 
 def _shard_at_step(ring: _Ring, s):
