@@ -15,12 +15,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
+import re
 import types
 import typing
 from typing import Any, Literal
 
 import yaml
 
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
 
@@ -348,6 +350,8 @@ def _convert(hint, value, key: str):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if hint is float:
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)

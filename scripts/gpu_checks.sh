@@ -2,6 +2,9 @@
 # The GPU checks and benchmarks (done ones kept for re-runs), grouped by the machine each needs
 # and sized to one device call (at most 10 minutes). Run from the repository root there:
 #
+#   bash scripts/gpu_checks.sh h200-smoke      # nvidia-h200: cuDNN attention against XLA's, then
+#                                              #   `peakflat train tiny` in bf16 on one GPU
+#                                              #   (synthetic, packed corpus, all operators off)
 #   bash scripts/gpu_checks.sh h200-sco        # nvidia-h200: SCO, half and all boundaries offloaded
 #   bash scripts/gpu_checks.sh h200-sco-plan   # nvidia-h200: XLA's buffer plan of SCO's step
 #                                              #   (compile only: what the temporaries hold)
@@ -28,7 +31,28 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 out="${OUT:-scripts/results}"
 
+# Packages the GPU image lacks travel as wheels in .whl (see the device notes in docs/).
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=".:/tmp/site"
+fi
+
 case "${1:-}" in
+  h200-smoke)
+    timeout 120 python3 scripts/check_attention.py --out-dir "$out"
+    common=(model.dtype=bfloat16 mesh.data=1 mesh.seq=-1 train.steps=20 train.progress=false)
+    off=(operators.moe_dispatch=ep operators.loss=materialized operators.offload=none
+         operators.optimizer_offload=false)
+    for run in synthetic corpus off; do
+      case $run in
+        synthetic) extra=(data.source=synthetic) ;;
+        corpus) extra=() ;;
+        off) extra=("${off[@]}") ;;
+      esac
+      timeout 150 python3 -m peakflat_jax.cli train tiny "${common[@]}" "${extra[@]}" \
+        --run-dir "/tmp/smoke-$run"
+      cp "/tmp/smoke-$run/summary.json" "$out/smoke-$run-summary.json" 2>/dev/null
+    done ;;
   h200-sco)
     # The scan as the same-run baseline, then half and all boundaries offloaded (~2 min a case).
     timeout 560 python3 scripts/bench_sco.py --preset gpu --repeats 2 --only '"offload": 24' \

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from peakflat_jax import memory  # noqa: E402
 from peakflat_jax.bench import harness  # noqa: E402
 from peakflat_jax.ops import grouped_matmul as gm  # noqa: E402
-from peakflat_jax.ops.pipelined_moe import pipelined_moe  # noqa: E402
+from peakflat_jax.ops.pipelined_moe import MoEBackend, pipelined_moe  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, FFN = 128, 8, 7168, 2048
 
@@ -63,8 +63,7 @@ def main() -> None:
                         help="none: standard expert parallelism")
     parser.add_argument("--out-dir", type=pathlib.Path, default=harness.RESULTS_DIR)
     args = parser.parse_args()
-    gm.hopper_gpu_reason = lambda: None  # plan the Mosaic path, whose kernels are opaque here
-    gm.mosaic_kernels = lambda configs: opaque_kernels()
+    backend = MoEBackend(grouped_matmul=opaque_kernels())  # the Mosaic path, kernels opaque
     mesh = Mesh(np.array(jax.devices()[:args.devices]), ("expert",))
     sharded = NamedSharding(mesh, P("expert"))
     rows = args.devices * args.tokens
@@ -76,7 +75,7 @@ def main() -> None:
         lambda x, ids, g, wg, wu, wd: pipelined_moe(
             x, ids, g, wg, wu, wd, axis_name="expert", num_experts=EXPERTS,
             token_budget=args.token_budget, max_foreign_experts=args.max_foreign_experts,
-            balance=args.balance),
+            balance=args.balance, backend=backend),
         mesh=mesh, in_specs=(P("expert"),) * 6, out_specs=P("expert"))
     grads = jax.grad(lambda x, ids, g, wg, wu, wd: jnp.sum(
         layer(x, ids, g, wg, wu, wd).astype(jnp.float32)), argnums=(0, 2, 3, 4, 5))

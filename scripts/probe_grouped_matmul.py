@@ -249,7 +249,7 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=150,
                         help="skip the optional steps (small checks, sweep) past this many s")
     args = parser.parse_args()
-    reason = gm.hopper_gpu_reason()
+    reason = gm.hopper_gpu_reason(jax.devices()[0])
     if reason:
         print(f"probe_grouped_matmul needs a Hopper GPU: {reason}", file=sys.stderr)
         return 2

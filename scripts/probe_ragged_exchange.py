@@ -1,16 +1,16 @@
-"""Probe (GPUs): the ragged exchange against the padded one, before it may become the default.
+"""Probe (GPUs): the experimental ragged exchange against the padded one.
 
-1. Exactness: ``pf.pipelined_moe`` with ``exchange="ragged"`` (``lax.ragged_all_to_all``) and
-   with the padded all-to-all, on the same inputs under skew: values and all five gradients
-   must agree (the same arithmetic; only the exchange differs).
+1. Exactness: ``pf.pipelined_moe`` with ``backend=MoEBackend(exchange="ragged")``
+   (``lax.ragged_all_to_all``) and with the padded all-to-all, on the same inputs under skew:
+   values and all five gradients must agree (the same arithmetic; only the exchange differs).
 2. Speed and memory of one chunk's dispatch and return at the paper's chunk size (c = 6554
    tokens, top-8, H = 7168, bf16), both forms: time of a jitted round trip and XLA's temp plan.
 
     PYTHONPATH=. python3 scripts/probe_ragged_exchange.py --out-dir DIR      # 2+ GPUs
     PYTHONPATH=. python3 scripts/probe_ragged_exchange.py --emulate --small  # CPU: a dry run
 
-``--emulate`` swaps in ``expert_exchange.emulated_ragged_all_to_all`` (XLA:CPU has no ragged
-all-to-all), so a CPU run checks this script, not the GPU collective.
+``--emulate`` passes the ragged exchange an emulated collective (``tests/ragged_emulation.py``;
+XLA:CPU has no ragged all-to-all), so a CPU run checks this script, not the GPU collective.
 """
 
 from __future__ import annotations
@@ -34,16 +34,21 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from peakflat_jax import memory, skew  # noqa: E402
 from peakflat_jax.bench import harness  # noqa: E402
-from peakflat_jax.ops import expert_exchange  # noqa: E402
-from peakflat_jax.ops.pipelined_moe import pipelined_moe  # noqa: E402
+from peakflat_jax.ops.expert_exchange import PaddedExchange  # noqa: E402
+from peakflat_jax.ops.pipelined_moe import MoEBackend, pipelined_moe  # noqa: E402
+from peakflat_jax.ops.ragged_exchange import RaggedExchange  # noqa: E402
 
 
-def use(kind: str) -> None:
-    """Makes this process's MoE layers take the ``kind`` exchange."""
-    expert_exchange.exchange_kind = lambda: kind
+def exchanges(emulate: bool) -> dict:
+    """The two forms by name; with ``emulate``, the ragged one over the CPU stand-in."""
+    if not emulate:
+        return {"padded": PaddedExchange(), "ragged": RaggedExchange()}
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+    from ragged_emulation import emulated_ragged_all_to_all
+    return {"padded": PaddedExchange(), "ragged": RaggedExchange(emulated_ragged_all_to_all)}
 
 
-def exactness(mesh, small: bool) -> dict:
+def exactness(mesh, forms: dict, small: bool) -> dict:
     devices = mesh.devices.size
     tokens, experts, top_k, hidden, ffn = (24, 8, 2, 16, 8) if small else (512, 16, 4, 256, 128)
     rng = np.random.default_rng(0)
@@ -55,12 +60,12 @@ def exactness(mesh, small: bool) -> dict:
                         (experts, hidden, ffn), (experts, hidden, ffn), (experts, ffn, hidden))]
     cotangent = jnp.asarray(rng.standard_normal((devices * tokens, hidden)), jnp.float32)
     results = {}
-    for kind in ("padded", "ragged"):
-        use(kind)
+    for kind, exchange in forms.items():
         layer = jax.shard_map(
-            lambda x, i, g, wg, wu, wd: pipelined_moe(
+            lambda x, i, g, wg, wu, wd, exchange=exchange: pipelined_moe(
                 x, i, g, wg, wu, wd, axis_name="expert", num_experts=experts,
-                token_budget=tokens // 3, llep_min_tokens=2),
+                token_budget=tokens // 3, llep_min_tokens=2,
+                backend=MoEBackend(exchange=exchange)),
             mesh=mesh, in_specs=(P("expert"),) * 6, out_specs=P("expert"))
 
         def loss(*a):
@@ -74,7 +79,7 @@ def exactness(mesh, small: bool) -> dict:
     return {"max_relative_difference": errors, "ok": max(errors.values()) < 1e-5}
 
 
-def round_trip(mesh, kind: str, small: bool) -> dict:
+def round_trip(mesh, exchange, small: bool) -> dict:
     """One chunk's dispatch and return, the payload untouched in between."""
     devices = mesh.devices.size
     chunk_tokens, top_k, hidden = (64, 2, 16) if small else (6554, 8, 7168)
@@ -86,14 +91,9 @@ def round_trip(mesh, kind: str, small: bool) -> dict:
                               jnp.int32)
 
     def trip(rows, destination):
-        if kind == "ragged":
-            routes = expert_exchange.ragged_routes(destination, devices, "expert")
-            received = expert_exchange.dispatch(rows, routes, devices, "expert")
-            return expert_exchange.combine(received * 2, routes, slots, "expert")
-        routes = expert_exchange.padded_routes(destination, devices)
-        sent = expert_exchange.pack(rows, routes)
-        back = expert_exchange.exchange(expert_exchange.exchange(sent, "expert") * 2, "expert")
-        return expert_exchange.unpack(back, routes)
+        routes = exchange.routes(destination, devices, "expert")
+        received = exchange.send(rows, routes, "expert")
+        return exchange.combine(received * 2, routes, "expert")
 
     step = jax.jit(jax.shard_map(trip, mesh=mesh, in_specs=(P("expert"), P("expert")),
                                  out_specs=P("expert")))
@@ -113,8 +113,7 @@ def main() -> int:
                         help="CPU dry run: an emulated ragged all-to-all on 2 CPU devices")
     parser.add_argument("--small", action="store_true", help="small shapes")
     args = parser.parse_args()
-    if args.emulate:
-        expert_exchange.RAGGED_ALL_TO_ALL = expert_exchange.emulated_ragged_all_to_all
+    forms = exchanges(args.emulate)
     devices = jax.devices()
     if len(devices) < 2:
         print("probe_ragged_exchange needs 2 or more devices", file=sys.stderr)
@@ -125,9 +124,9 @@ def main() -> int:
               "device": f"{len(devices)} x {devices[0].device_kind}", "emulated": args.emulate,
               "date": now.isoformat(timespec="seconds"), "jax": jax.__version__,
               "commit": harness.git_commit(), "results": {}}
-    steps = [("exactness", lambda: exactness(mesh, args.small))]
-    steps += [(f"round_trip/{kind}", lambda kind=kind: round_trip(mesh, kind, args.small))
-              for kind in ("padded", "ragged")]
+    steps = [("exactness", lambda: exactness(mesh, forms, args.small))]
+    steps += [(f"round_trip/{kind}", lambda form=form: round_trip(mesh, form, args.small))
+              for kind, form in forms.items()]
     for name, run in steps:
         try:
             record["results"][name] = run()

@@ -5,6 +5,8 @@ import pytest
 
 from peakflat_jax.bench import harness, moe_dispatch
 
+pytestmark = pytest.mark.slow  # the benchmark harness: real cases, structural checks
+
 TINY = dict(devices=8, experts=16, top_k=2, hidden=16, ffn=16, dtype="float32",
             llep_min_tokens=8, tokens=64, profiles=[[0.0, 0], [0.5, 4]], repeats=1, warmup=0)
 CASES = [dict(TINY, method="ep"), dict(TINY, method="llep"),
@@ -41,12 +43,3 @@ def test_a_run_that_fails_keeps_the_plan(monkeypatch):
 
 def test_a_case_needing_more_devices_says_so():
     assert "needs 16 devices" in moe_dispatch.run_case(dict(CASES[0], devices=16))["error"]
-
-
-@pytest.fixture(autouse=True)
-def _restore_switches():
-    """run_case sets the grouped-matmul and exchange switches for its (one-case) process."""
-    from peakflat_jax.ops import expert_exchange, grouped_matmul
-    saved = grouped_matmul.AUTO_SELECTS_MOSAIC, expert_exchange.RAGGED_ON_GPU
-    yield
-    grouped_matmul.AUTO_SELECTS_MOSAIC, expert_exchange.RAGGED_ON_GPU = saved

@@ -1,5 +1,6 @@
-"""grouped_matmul: the CPU path is lax.ragged_dot; the choice of implementation and its errors;
-the block choice; the custom VJP's rule (built from reference kernels) against float64."""
+"""grouped_matmul: the CPU path is lax.ragged_dot; the choice of implementation (from the device
+a call runs on) and its errors; the block choice; the custom VJP's rule (built from reference
+kernels) against float64."""
 
 import re
 
@@ -7,7 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import make_mesh
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from peakflat_jax.ops import grouped_matmul as gm
 
@@ -82,6 +85,10 @@ def ref_weight_grad(lhs, dy, sizes):
                       dy.astype(jnp.float32), precision=lax.Precision.HIGHEST)
 
 
+H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+A100 = jax.sharding.AbstractDevice(device_kind="NVIDIA A100-SXM4-80GB", num_cores=108,
+                                   platform="gpu")
+
 REF_KERNELS = gm.GroupedMatmulKernels(forward=ref_forward, input_grad=ref_input_grad,
                                       weight_grad=ref_weight_grad)
 
@@ -132,13 +139,37 @@ def test_cpu_path_bf16_output_is_fp32(rng):
                                                       preferred_element_type=jnp.float32))
 
 
-def test_automatic_choice_is_xla_when_switched_off(rng, monkeypatch):
-    monkeypatch.setattr(gm, "AUTO_SELECTS_MOSAIC", False)
-    monkeypatch.setattr(gm, "hopper_gpu_reason", lambda: None)
-    monkeypatch.setattr(gm, "mosaic_kernels", lambda configs: pytest.fail("took Mosaic"))
-    x, w, sizes, _ = draw(rng, (100, 0, 60), 192, k=128, n=128, dtype=jnp.bfloat16)
-    np.testing.assert_array_equal(gm.grouped_matmul(x, w, sizes), lax.ragged_dot(
-        x, w, sizes, preferred_element_type=jnp.float32))
+def test_choice_follows_the_device():
+    bf16 = jnp.bfloat16
+    assert gm.select_grouped_matmul(H200, bf16, bf16, 128, 256) == gm.GroupedMatmul("mosaic")
+    assert gm.select_grouped_matmul(H200, bf16, bf16, 128, 256, "xla") == gm.GroupedMatmul("xla")
+    assert gm.select_grouped_matmul(A100, bf16, bf16, 128, 256) == gm.GroupedMatmul("xla")
+    assert gm.select_grouped_matmul(jax.devices()[0], bf16, bf16, 128, 256).implementation == "xla"
+    assert gm.GroupedMatmul("mosaic").row_alignment == gm.ROW_ALIGNMENT
+    assert gm.GroupedMatmul("xla").row_alignment == 1
+    # On a Hopper GPU where a shape or dtype rules the kernels out: XLA, with a warning.
+    with pytest.warns(UserWarning, match="slow dense lax.ragged_dot.*dtype"):
+        chosen = gm.select_grouped_matmul(H200, jnp.float32, jnp.float32, 128, 256)
+    assert chosen == gm.GroupedMatmul("xla")
+    with pytest.raises(ValueError, match=r"implementation='mosaic'\) cannot run.*K=192"):
+        gm.select_grouped_matmul(H200, bf16, bf16, 192, 256, "mosaic")
+    with pytest.raises(RuntimeError, match=r"Hopper GPU.*A100"):
+        gm.select_grouped_matmul(A100, bf16, bf16, 128, 256, "mosaic")
+    kernels = gm.select_grouped_matmul(jax.devices()[0], bf16, bf16, 8, 8, REF_KERNELS)
+    assert kernels == gm.GroupedMatmul("mosaic", kernels=REF_KERNELS)
+
+
+def test_call_device_is_the_meshs_inside_shard_map():
+    mesh = make_mesh(("x", 2))
+    seen = []
+
+    def record(a):
+        seen.append(gm.call_device())
+        return a
+
+    jax.jit(jax.shard_map(record, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(jnp.ones(2))
+    assert isinstance(seen[0], jax.sharding.AbstractDevice) and seen[0].platform == "cpu"
+    assert gm.call_device() == jax.devices()[0]  # outside a mesh: the default device
 
 
 def test_bad_implementation(rng):
@@ -151,6 +182,8 @@ def test_mosaic_on_cpu_says_why(rng):
     x, w, sizes, _ = draw(rng, (64, 64), 128, k=128, n=128, dtype=jnp.bfloat16)
     with pytest.raises(RuntimeError, match="Hopper GPU.*cpu"):
         gm.grouped_matmul(x, w, sizes, implementation="mosaic")
+    with pytest.raises(ValueError, match="implementation"):
+        gm.GroupedMatmul("xla", kernels=REF_KERNELS)
 
 
 def test_bad_operands(rng):
@@ -229,36 +262,26 @@ def test_custom_vjp_rule_bf16_dtypes(rng):
         assert max_relative_error(a, r) < 2e-2  # dy, dx and dW each rounded to bf16 once
 
 
-def test_dispatch_on_a_hopper(rng, monkeypatch):
-    """With the platform check and the kernels replaced, the automatic choice takes the custom
-    VJP with the blocks the shapes allow, and falls back with a warning where none fit."""
-    built = []
+def test_mosaic_path_pads_rows_to_the_alignment(rng):
+    """The Mosaic path with stand-in kernels: M = 192 rows reach the kernels as 256 (the row
+    alignment), and the result is cut back to 192 rows, zero past the groups."""
+    rows_seen = []
 
-    def fake_kernels(configs):
-        built.append(configs)
-        return REF_KERNELS
+    def counted(kernel):
+        def call(*operands):
+            rows_seen.append(operands[0].shape[0])
+            return kernel(*operands)
+        return call
 
-    monkeypatch.setattr(gm, "AUTO_SELECTS_MOSAIC", True)
-    monkeypatch.setattr(gm, "hopper_gpu_reason", lambda: None)
-    monkeypatch.setattr(gm, "mosaic_kernels", fake_kernels)
+    kernels = gm.GroupedMatmulKernels(*(counted(k) for k in (ref_forward, ref_input_grad,
+                                                             ref_weight_grad)))
     x, w, sizes, ct = draw(rng, (100, 0, 60), 192, k=128, n=128, dtype=jnp.bfloat16)
-    out, dx, dw = value_and_grads(gm.grouped_matmul, x, w, sizes, ct)
-    # M = 192 is padded to the row alignment (256), so the preferred 128-row blocks fit.
-    assert built == [gm.mosaic_block_configs(256, 128, 128, jnp.bfloat16, jnp.bfloat16)]
-    assert built[0].forward == gm.BlockConfig(128, 128, 64, 6, 1)
+    out, dx, dw = value_and_grads(gm.GroupedMatmul("mosaic", kernels=kernels), x, w, sizes, ct)
+    assert set(rows_seen) == {256}
     assert out.shape == (192, 128) and dx.shape == (192, 128)
     for a, r in zip((out, dx, dw), reference64(x, w, sizes, ct)):
-        assert max_relative_error(a, r) < 2e-2
+        assert max_relative_error(a, r) < 2e-2  # dy, dx and dW each rounded to bf16 once
     assert not np.any(np.asarray(out)[160:]) and not np.any(np.asarray(dx)[160:])
-
-    x32 = x.astype(jnp.float32)
-    with pytest.warns(UserWarning, match="slow dense lax.ragged_dot.*dtype"):
-        out = gm.grouped_matmul(x32, w.astype(jnp.float32), sizes)
-    np.testing.assert_array_equal(out, lax.ragged_dot(x32, w.astype(jnp.float32), sizes,
-                                                      preferred_element_type=jnp.float32))
-    with pytest.raises(ValueError, match=r"implementation='mosaic'\) cannot run.*dtype"):
-        gm.grouped_matmul(x32, w, sizes, implementation="mosaic")
-    assert len(built) == 1
 
 
 @pytest.mark.parametrize("sizes", [(100, 0, 20, 8), (60, 0, 100, 40), (0, 0, 0, 0), (0, 256, 0, 0)])

@@ -6,11 +6,18 @@ import numpy as np
 import pytest
 
 from peakflat_jax import skew
-from peakflat_jax.ops.llep_plan import foreign_experts, llep_assignment, plain_assignment
+from peakflat_jax.ops.llep_plan import (
+    LLEPConfig,
+    foreign_experts,
+    llep_assignment,
+    plain_assignment,
+)
 
 
-def plan(loads, num_devices, **kwargs):
-    return np.asarray(jax.jit(lambda loads: llep_assignment(loads, num_devices, **kwargs))(
+def plan(loads, num_devices, **knobs):
+    """The jitted plan; ``knobs`` are LLEPConfig's fields."""
+    config = LLEPConfig(**knobs)
+    return np.asarray(jax.jit(lambda loads: llep_assignment(loads, num_devices, config))(
         jnp.asarray(loads, jnp.int32)))
 
 
@@ -30,7 +37,7 @@ def test_spill_goes_to_least_loaded_counting_pending_native_load():
     # excess goes to device 3 (assigned 0 + pending 0) up to its room, 150; then device 1
     # (pending 100: room 50, a piece of max(50, m=50)); then device 2, likewise.
     expected = [[150, 50, 50, 150], [0, 100, 0, 0], [0, 0, 100, 0], [0, 0, 0, 0]]
-    assignment = plan([400, 100, 100, 0], 4, min_tokens=50, max_foreign=2)
+    assignment = plan([400, 100, 100, 0], 4, min_tokens=50, max_foreign_experts=2)
     np.testing.assert_array_equal(assignment, expected)
     np.testing.assert_array_equal(foreign_experts(jnp.asarray(assignment), 2),
                                   [[-1, -1], [0, -1], [0, -1], [0, -1]])
@@ -39,15 +46,15 @@ def test_spill_goes_to_least_loaded_counting_pending_native_load():
 def test_min_tokens_makes_pieces_larger_than_room():
     # As above with m = 80: device 3 takes 150; device 1's room is 50 but its piece is 80;
     # the last 20 go to device 2.
-    assignment = plan([400, 100, 100, 0], 4, min_tokens=80, max_foreign=2)
+    assignment = plan([400, 100, 100, 0], 4, min_tokens=80, max_foreign_experts=2)
     np.testing.assert_array_equal(assignment[0], [150, 80, 20, 150])
 
 
 def test_foreign_bound_keeps_the_excess_home():
-    assignment = plan([400, 100, 100, 0], 4, min_tokens=50, max_foreign=0)
+    assignment = plan([400, 100, 100, 0], 4, min_tokens=50, max_foreign_experts=0)
     np.testing.assert_array_equal(assignment, np.diag([400, 100, 100, 0]))
     # One foreign expert per device: expert 0 may still go to all three helpers.
-    assignment = plan([300, 300, 0, 0], 4, min_tokens=1, max_foreign=1)
+    assignment = plan([300, 300, 0, 0], 4, min_tokens=1, max_foreign_experts=1)
     hosted = (assignment > 0) & ~np.eye(4, dtype=bool)
     assert hosted.sum(axis=0).max() <= 1
 
@@ -67,7 +74,7 @@ def test_invariants_on_random_and_paper_loads(rng, num_devices, num_experts):
         loads_list.append(np.bincount(ids.reshape(-1), minlength=num_experts))
     for loads in loads_list:
         for max_foreign in (1, num_experts // num_devices):
-            assignment = plan(loads, num_devices, min_tokens=16, max_foreign=max_foreign)
+            assignment = plan(loads, num_devices, min_tokens=16, max_foreign_experts=max_foreign)
             np.testing.assert_array_equal(assignment.sum(axis=1), loads)  # nothing lost
             assert (assignment >= 0).all()
             owner = np.arange(num_experts) // (num_experts // num_devices)

@@ -1,34 +1,34 @@
-"""PipelinedLLEP: values and gradients against the float64 dense reference, chunking, memory,
-bad input."""
+"""PipelinedLLEP: values and gradients against the float64 dense reference, chunking, axes,
+the backend choice, memory, bad input."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import iter_eqns, relative_error
 from conftest import make_mesh
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import peakflat_jax as pf
 from peakflat_jax import memory, reference, skew
-from peakflat_jax.ops import expert_exchange
-from peakflat_jax.ops._shard import varying_like
-from peakflat_jax.ops.llep_plan import llep_assignment
+from peakflat_jax.ops import grouped_matmul as gm
+from peakflat_jax.ops.llep_plan import LLEPConfig, llep_assignment
+from peakflat_jax.ops.pipelined_moe import (
+    MEMORY_FORMULAS,
+    MoEBackend,
+    pipelined_moe_memory_terms,
+    unchunked_moe_memory_terms,
+)
 
 TOL = 1e-4  # fp32, complex: dispatch, grouped matmuls, combine; values and gradients
 ARGNAMES = ("x", "gates", "w_gate", "w_up", "w_down")
 
 
-def relative_error(actual, expected) -> float:
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
-
-
-def moe_fn(mesh, num_experts, **kwargs):
-    spec = P("expert")
+def moe_fn(mesh, num_experts, axis_name="expert", **kwargs):
+    spec = P(axis_name)
     return jax.shard_map(
         lambda x, ids, g, wg, wu, wd: pf.pipelined_moe(
-            x, ids, g, wg, wu, wd, axis_name="expert", num_experts=num_experts, **kwargs),
+            x, ids, g, wg, wu, wd, axis_name=axis_name, num_experts=num_experts, **kwargs),
         mesh=mesh, in_specs=(spec,) * 6, out_specs=spec)
 
 
@@ -85,13 +85,13 @@ SETTINGS = [
 
 
 @pytest.mark.parametrize("case, token_budget, membership, balance", SETTINGS)
-def test_matches_reference(rng, case, token_budget, membership, balance):
+def test_matches_reference(rng, case, token_budget, membership, balance, backend=None):
     devices, experts, tokens, top_k, profile = CASES[case]
     mesh = make_mesh(("expert", devices))
     ids, arrays = draw_case(rng, devices=devices, experts=experts, tokens=tokens, top_k=top_k,
                             profile=profile)
     fn = moe_fn(mesh, experts, token_budget=token_budget, membership=membership,
-                balance=balance, llep_min_tokens=2)
+                balance=balance, llep_min_tokens=2, backend=backend)
     assert_matches_reference(fn, ids, arrays, rng)
 
 
@@ -119,12 +119,41 @@ def test_bf16_foreign_bound_and_data_axis(rng):
     assert y.dtype == jnp.bfloat16 and relative_error(y, ref) < 2.0**-7
 
 
+@pytest.mark.parametrize("token_budget", [None, 5])
+def test_experts_over_two_mesh_axes(rng, token_budget):
+    """The model's layout: experts over ("data", "seq") of a (2, 4) mesh, E_p = 8, positions in
+    row-major order; tokens sharded the same way. Heavy skew, so weights migrate over both
+    axes."""
+    axes = ("data", "seq")
+    mesh = make_mesh(("data", 2), ("seq", 4))
+    ids, arrays = draw_case(rng, devices=8, experts=16, tokens=20, top_k=2,
+                            profile=skew.SkewProfile(0.95, 3))
+    fn = moe_fn(mesh, 16, axis_name=axes, token_budget=token_budget, llep_min_tokens=2)
+    assert_matches_reference(fn, ids, arrays, rng)
+
+
+def test_default_backend_is_chosen_from_the_mesh(rng):
+    """On a CPU mesh: the padded all-to-all and lax.ragged_dot, with no override; asking for
+    the Mosaic kernels there fails before compiling, naming the platform."""
+    mesh = make_mesh(("expert", 2))
+    ids, arrays = draw_case(rng, devices=2, experts=4, tokens=8, top_k=2,
+                            profile=skew.SkewProfile(0.5, 1))
+    args = [arrays[k] for k in ARGNAMES]
+    jaxpr = jax.make_jaxpr(moe_fn(mesh, 4, token_budget=4))(args[0], ids, *args[1:]).jaxpr
+    assert any(iter_eqns(jaxpr, "all_to_all")) and any(iter_eqns(jaxpr, "ragged_dot_general"))
+    assert not any(iter_eqns(jaxpr, "ragged_all_to_all"))
+    with pytest.raises(RuntimeError, match="Hopper GPU.*cpu"):
+        jax.make_jaxpr(moe_fn(mesh, 4, backend=MoEBackend(grouped_matmul="mosaic")))(
+            args[0], ids, *args[1:])
+
+
 def test_skewed_case_really_spills(rng):
     """The LLEP cases above are only worth something if weights actually migrate."""
     devices, experts, tokens, top_k, profile = CASES[2]
     ids = np.concatenate([skew.route(tokens, top_k, experts, profile)] * devices)
     loads = np.bincount(ids.reshape(-1), minlength=experts)
-    assignment = np.asarray(llep_assignment(jnp.asarray(loads), devices, min_tokens=2))
+    assignment = np.asarray(llep_assignment(jnp.asarray(loads), devices,
+                                            LLEPConfig(min_tokens=2)))
     owner = np.arange(experts) // (experts // devices)
     assert (assignment[np.arange(experts), owner] < loads).any()
 
@@ -180,7 +209,104 @@ def test_token_budget_bounds_growth_of_temp_with_tokens():
         temps = [compiled_temp(4, 8, n, 4, **kwargs) for n in (small, large)]
         growth[label] = temps[1] - temps[0]
     assert growth["none"] > 0
+    # Measured (jax 0.11.2): the budgeted temp grew 0.6 MB from 256 to 1024 tokens per rank
+    # (the per-token routing and chunk stacks), the unchunked one 68.4 MB: a ratio of 0.009.
     assert growth["budget"] <= growth["none"] / 4, growth
+
+
+def opaque_kernels() -> gm.GroupedMatmulKernels:
+    """Stand-ins for the Mosaic kernels that XLA cannot see into (host callbacks of the
+    kernels' result shapes), so that the CPU plan holds what the GPU path holds around them."""
+
+    def opaque(result_shape):
+        def call(a, b, group_sizes):
+            shape = result_shape(a, b, group_sizes)
+            return jax.pure_callback(lambda *_: np.zeros(shape, a.dtype),
+                                     jax.ShapeDtypeStruct(shape, a.dtype), a, b, group_sizes)
+        return call
+
+    return gm.GroupedMatmulKernels(
+        forward=opaque(lambda lhs, rhs, s: (lhs.shape[0], rhs.shape[2])),
+        input_grad=opaque(lambda dy, rhs, s: (dy.shape[0], rhs.shape[1])),
+        weight_grad=opaque(lambda lhs, dy, s: (s.shape[0], lhs.shape[1], dy.shape[1])))
+
+
+def planned_temp(devices, experts, tokens, top_k, hidden, ffn, dtype, path, **kwargs) -> int:
+    """XLA's CPU plan (temp bytes per device) of one forward + backward of the layer."""
+    mesh = make_mesh(("expert", devices))
+    backend = MoEBackend(grouped_matmul=opaque_kernels() if path == "mosaic" else "xla")
+    fn = moe_fn(mesh, experts, backend=backend, **kwargs)
+    floating = jnp.dtype(dtype)
+
+    def shape(*dims, dtype=floating):
+        return jax.ShapeDtypeStruct(dims, dtype)
+
+    args = (shape(devices * tokens, hidden), shape(devices * tokens, top_k, dtype=jnp.int32),
+            shape(devices * tokens, top_k), shape(experts, hidden, ffn),
+            shape(experts, hidden, ffn), shape(experts, ffn, hidden))
+
+    def loss_and_grads(x, ids, g, wg, wu, wd):
+        return jax.value_and_grad(lambda *a: fn(a[0], ids, *a[1:]).astype(jnp.float32).sum(),
+                                  argnums=(0, 1, 2, 3, 4))(x, g, wg, wu, wd)
+
+    return memory.compiled_memory(jax.jit(loss_and_grads).lower(*args).compile()).temp
+
+
+# (devices, experts, tokens, top_k, hidden, ffn, dtype, grouped-matmul path, layer keywords)
+# and bound / XLA:CPU temp as measured with jax 0.11.2: the bound holds with that margin.
+BOUND_CASES = [
+    pytest.param(2, 8, 512, 4, 256, 128, "bfloat16", "mosaic", dict(token_budget=64),
+                 id="bf16-mosaic-E_p2"),  # 1.24
+    pytest.param(8, 16, 256, 2, 128, 128, "float32", "xla", dict(token_budget=64),
+                 id="f32-xla-E_p8"),  # 1.36
+    pytest.param(4, 16, 1024, 2, 128, 256, "float32", "mosaic",
+                 dict(token_budget=128, balance="none"), id="f32-mosaic-ep-F>H"),  # 1.22
+    pytest.param(8, 16, 512, 8, 512, 128, "float32", "mosaic", dict(token_budget=128),
+                 id="f32-mosaic-rows-dominate", marks=pytest.mark.slow),  # 1.04: the tightest
+]
+
+
+@pytest.mark.parametrize("devices, experts, tokens, top_k, hidden, ffn, dtype, path, kwargs",
+                         BOUND_CASES)
+def test_memory_terms_bound_the_cpu_plan(devices, experts, tokens, top_k, hidden, ffn, dtype,
+                                         path, kwargs):
+    """pipelined_moe_memory_terms against XLA's CPU plan of fwd+bwd (the Mosaic path with
+    opaque stand-in kernels): the sum of the terms bounds the planned temporaries, and not by
+    more than 2x. (At the GPU benchmark's shapes, E_p = 2 and 8, the same margin is 1.20-1.23:
+    docs/pipelined_moe.md.)"""
+    temp = planned_temp(devices, experts, tokens, top_k, hidden, ffn, dtype, path, **kwargs)
+    terms = pipelined_moe_memory_terms(
+        num_tokens=tokens, hidden=hidden, ffn=ffn, top_k=top_k, num_experts=experts,
+        num_devices=devices, dtype=dtype, grouped_matmul=path, **kwargs)
+    assert set(terms) == set(MEMORY_FORMULAS) and all(v >= 0 for v in terms.values())
+    assert temp <= sum(terms.values()) <= 2 * temp, (temp, terms)
+
+
+def test_unchunked_terms_bound_one_chunk():
+    """The baseline's terms (one chunk, plain EP) bound its CPU plan: measured 1.15x. With
+    bf16 at the GPU shapes XLA reuses more of a single chunk's buffers and the bound is looser
+    (up to 2.5x: docs/pipelined_moe.md)."""
+    temp = planned_temp(4, 16, 1024, 2, 128, 256, "float32", "mosaic", balance="none")
+    terms = unchunked_moe_memory_terms(num_tokens=1024, hidden=128, ffn=256, top_k=2,
+                                       num_experts=16, num_devices=4, dtype="float32",
+                                       grouped_matmul="mosaic")
+    assert temp <= sum(terms.values()) <= 2 * temp, (temp, terms)
+
+
+def test_memory_terms_follow_the_budget_not_the_tokens():
+    """With a token budget the terms stop growing with the tokens once K reaches max_chunks;
+    without one, the dispatch and FFN terms grow with them; more foreign experts, more weights."""
+    def total(**kwargs):
+        return sum(pipelined_moe_memory_terms(
+            hidden=7168, ffn=2048, top_k=8, num_experts=128, num_devices=8, **kwargs).values())
+
+    budgeted = [total(num_tokens=n, token_budget=6554) for n in (32768, 65536)]
+    unchunked = [total(num_tokens=n) for n in (32768, 65536)]
+    assert budgeted[1] - budgeted[0] < (unchunked[1] - unchunked[0]) / 4
+    assert total(num_tokens=8192, max_foreign_experts=4) < total(num_tokens=8192)
+    with pytest.raises(ValueError, match="grouped_matmul"):
+        pipelined_moe_memory_terms(num_tokens=8, hidden=8, ffn=8, top_k=1, num_experts=2,
+                                   num_devices=1, grouped_matmul="triton")
 
 
 def test_bound_holds_inside_an_enclosing_checkpoint():
@@ -221,6 +347,10 @@ def test_bound_holds_inside_an_enclosing_checkpoint():
     (dict(kwargs=dict(token_budget=True)), "token_budget"),
     (dict(kwargs=dict(llep_capacity=float("inf"))), "llep_capacity"),
     (dict(kwargs=dict(llep_threshold=0)), "llep_threshold"),
+    (dict(kwargs=dict(llep_min_tokens=0)), "llep_min_tokens"),
+    (dict(kwargs=dict(max_chunks=0)), "max_chunks"),
+    (dict(kwargs=dict(backend=MoEBackend(exchange="sparse"))), "backend"),
+    (dict(kwargs=dict(backend=MoEBackend(grouped_matmul="cuda"))), "implementation"),
 ])
 def test_bad_input_names_the_argument(change, argument):
     mesh = make_mesh(("expert", 2))
@@ -234,135 +364,7 @@ def test_bad_input_names_the_argument(change, argument):
         jax.jit(fn).lower(x, ids, gates, w_gate, np.zeros((4, 8, 6), np.float32), w_down)
 
 
-# -- the ragged exchange (GPU form), checked on CPU with an emulated ragged_all_to_all ----------
-
-
-def never_differentiated(operand, output, *routing, axis_name):
-    """The emulated collective, typed like the real one and failing if anything differentiates
-    it: the ragged exchange must take its own transposes (jax's rule for the real collective
-    gave wrong gradients on GPUs).
-
-    ``lax.ragged_all_to_all``'s result has the type of its ``output`` operand, invariant over
-    the expert axis when that is a fresh constant buffer, whereas the emulation's ``where``
-    varies; a host callback drops the varying type (the real one's type broke the custom VJPs
-    on 2 H200s)."""
-
-    @jax.custom_jvp
-    def collective(operand, output):
-        result = expert_exchange.emulated_ragged_all_to_all(operand, output, *routing,
-                                                            axis_name=axis_name)
-        invariant = jax.pure_callback(
-            np.asarray, jax.ShapeDtypeStruct(result.shape, result.dtype), result)
-        return varying_like(invariant, output)
-
-    @collective.defjvp
-    def _differentiated(primals, tangents):
-        raise AssertionError("the ragged all-to-all itself was differentiated")
-
-    return collective(operand, output)
-
-
-@pytest.fixture
-def ragged_exchange(monkeypatch):
-    monkeypatch.setattr(expert_exchange, "RAGGED_ALL_TO_ALL", never_differentiated)
-    monkeypatch.setattr(expert_exchange, "exchange_kind", lambda: "ragged")
-
-
-@pytest.mark.parametrize("devices", [1, 2, 5])
-def test_ragged_round_trip_equals_padded(rng, ragged_exchange, devices):
-    """Every slot reaches its destination, in its source's order, and comes back to its place;
-    slots sent nowhere (destination D) come back as zeros. Processing tags each row with the
-    device that saw it and the row's place there."""
-    slots, hidden = 9, 3
-    mesh = make_mesh(("expert", devices))
-    rows = jnp.asarray(rng.standard_normal((devices * slots, hidden)), jnp.float32)
-    destination = jnp.asarray(rng.integers(0, devices + 1, devices * slots), jnp.int32)
-
-    def padded(rows, destination):
-        routes = expert_exchange.padded_routes(destination, devices)
-        received = expert_exchange.exchange(expert_exchange.pack(rows, routes), "expert")
-        processed = received * 2 + lax.axis_index("expert")
-        returned = expert_exchange.exchange(processed, "expert")
-        return (received.reshape(-1, hidden), returned.reshape(devices, slots, hidden),
-                expert_exchange.unpack(returned, routes))
-
-    def ragged(rows, destination):
-        routes = expert_exchange.ragged_routes(destination, devices, "expert")
-        received = expert_exchange.dispatch(rows, routes, devices, "expert", fill=7.0)
-        processed = received * 2 + lax.axis_index("expert")
-        return received, expert_exchange.combine(processed, routes, slots, "expert")
-
-    spec = P("expert")
-    run = lambda f, n: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec, spec),  # noqa: E731
-                                             out_specs=(spec,) * n))
-    padded_received, _, padded_back = run(padded, 3)(rows, destination)
-    ragged_received, ragged_back = run(ragged, 2)(rows, destination)
-    np.testing.assert_array_equal(ragged_back, padded_back)
-    # Received: the padded buckets' rows, source by source, packed end to end, then the fill.
-    for device in range(devices):
-        bucket = np.asarray(padded_received).reshape(devices, devices, slots, hidden)[device]
-        counts = [int(np.sum(np.asarray(destination)[s * slots:(s + 1) * slots] == device))
-                  for s in range(devices)]
-        expected = np.concatenate([bucket[s, :counts[s]] for s in range(devices)])
-        got = np.asarray(ragged_received).reshape(devices, devices * slots, hidden)[device]
-        np.testing.assert_array_equal(got[:len(expected)], expected)
-        assert (got[len(expected):] == 7.0).all()
-
-
-def test_ragged_round_trip_of_replicated_rows_has_the_padded_gradient(rng, ragged_exchange):
-    """Rows that do not vary over the axis (replicated tokens) go through the custom VJPs too:
-    their cotangent is summed over the devices like the padded exchange's."""
-    devices, slots, hidden = 3, 7, 4
-    mesh = make_mesh(("expert", devices))
-    rows = jnp.asarray(rng.standard_normal((slots, hidden)), jnp.float32)
-    destination = jnp.asarray(rng.integers(0, devices + 1, devices * slots), jnp.int32)
-    cotangent = jnp.asarray(rng.standard_normal((devices * slots, hidden)), jnp.float32)
-
-    def padded(rows, destination):
-        routes = expert_exchange.padded_routes(destination, devices)
-        received = expert_exchange.exchange(expert_exchange.pack(rows, routes), "expert")
-        returned = expert_exchange.exchange(received * (2 + lax.axis_index("expert")), "expert")
-        return expert_exchange.unpack(returned, routes)
-
-    def ragged(rows, destination):
-        routes = expert_exchange.ragged_routes(destination, devices, "expert")
-        received = expert_exchange.dispatch(rows, routes, devices, "expert")
-        processed = received * (2 + lax.axis_index("expert"))
-        return expert_exchange.combine(processed, routes, slots, "expert")
-
-    def gradient(fn):
-        layer = jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("expert")),
-                              out_specs=P("expert"))
-        return jax.jit(jax.grad(lambda r: jnp.sum(layer(r, destination) * cotangent)))(rows)
-
-    np.testing.assert_allclose(gradient(ragged), gradient(padded), rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("setting", [1, 3, 5, 8])
-def test_ragged_exchange_matches_reference(rng, ragged_exchange, setting):
-    test_matches_reference(rng, *SETTINGS[setting])  # with the ragged exchange patched in
-
-
-def test_exchange_kind_is_padded_until_checked_on_a_gpu():
-    assert expert_exchange.exchange_kind() == "padded"
-    assert not expert_exchange.RAGGED_ON_GPU
-
-
 # -- pipelining: chunk i+1's dispatch does not wait for chunk i's matmuls -----------------------
-
-
-def find_eqns(jaxpr, name):
-    """Every equation of primitive ``name`` in a jaxpr, nested jaxprs included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == name:
-            found.append(eqn)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += find_eqns(inner, name)
-    return found
 
 
 def producers(jaxpr, outvars):
@@ -388,8 +390,8 @@ def test_next_dispatch_is_independent_of_this_chunks_matmuls(rng):
     args = [arrays[k] for k in ARGNAMES]
     jaxpr = jax.make_jaxpr(lambda *a: jax.grad(lambda *b: fn(b[0], ids, *b[1:]).sum(),
                                                argnums=(0, 1, 2, 3, 4))(*a))(*args)
-    scans = [e for e in find_eqns(jaxpr.jaxpr, "scan") if find_eqns(
-        e.params["jaxpr"].jaxpr, "ragged_dot_general")]
+    scans = [e for e in iter_eqns(jaxpr.jaxpr, "scan") if any(iter_eqns(
+        e.params["jaxpr"].jaxpr, "ragged_dot_general"))]
     assert len(scans) == 2  # forward and backward chunk loops; nothing else loops over chunks
     for scan in scans:
         body = scan.params["jaxpr"].jaxpr
@@ -404,44 +406,37 @@ def test_next_dispatch_is_independent_of_this_chunks_matmuls(rng):
 
 
 @pytest.mark.parametrize("tokens,token_budget,splits", [(12, 5, False), (100, None, True)])
-def test_mosaic_wiring_with_reference_kernels(rng, monkeypatch, tokens, token_budget, splits):
-    """With the Hopper check passed and the Mosaic kernels replaced by reference ones (which
-    write garbage past the groups, as the real forward kernel may, and are typed invariant over
-    the mesh axes, as a pallas_call is), the MoE sorts its rows into an aligned buffer and
-    matches the float64 reference at bf16 rounding. With 100 tokens a chunk's buffer (D * k * c
-    = 400 rows, 512 aligned) is larger than the rows expected (1.3 * k * c = 260, 384 aligned),
-    so the forward and dx kernels run in two parts."""
+def test_mosaic_wiring_with_reference_kernels(rng, tokens, token_budget, splits):
+    """With reference kernels standing in for the Mosaic ones (they write garbage past the
+    groups, as the real forward kernel may, and are typed invariant over the mesh axes, as a
+    pallas_call is), the MoE sorts its rows into an aligned buffer and matches the float64
+    reference at bf16 rounding. With 100 tokens a chunk's buffer (D * k * c = 400 rows, 512
+    aligned) is larger than the rows expected (1.3 * k * c = 260, 384 aligned), so the forward
+    and dx kernels run in two parts: on 384 rows and on the 128 after them."""
     from test_grouped_matmul import PALLAS_TYPED_REF_KERNELS
 
-    from peakflat_jax.ops import grouped_matmul as gm
+    rows_seen = []
 
-    aligned_rows, head_rows_seen = [], set()
-    monkeypatch.setattr(gm, "AUTO_SELECTS_MOSAIC", True)
-    monkeypatch.setattr(gm, "hopper_gpu_reason", lambda: None)
-    monkeypatch.setattr(gm, "mosaic_kernels", lambda configs: PALLAS_TYPED_REF_KERNELS)
-    real_build = gm.build_grouped_matmul
+    def counted(kernel):
+        def call(*operands):
+            rows_seen.append(operands[0].shape[0])
+            return kernel(*operands)
+        return call
 
-    def build(kernels, head_rows=None):
-        head_rows_seen.add(head_rows)
-        fn = real_build(kernels, head_rows)
-
-        def called(lhs, rhs, sizes):
-            aligned_rows.append(lhs.shape[0])
-            return fn(lhs, rhs, sizes)
-
-        return called
-
-    monkeypatch.setattr(gm, "build_grouped_matmul", build)
+    kernels = gm.GroupedMatmulKernels(*(counted(k) for k in (
+        PALLAS_TYPED_REF_KERNELS.forward, PALLAS_TYPED_REF_KERNELS.input_grad,
+        PALLAS_TYPED_REF_KERNELS.weight_grad)))
     mesh = make_mesh(("expert", 2))
     ids, arrays = draw_case(rng, devices=2, experts=4, tokens=tokens, top_k=2, hidden=128,
                             ffn=128, profile=skew.SkewProfile(0.8, 1))
     bf16 = {k: v.astype(jnp.bfloat16) for k, v in arrays.items()}
-    fn = moe_fn(mesh, 4, token_budget=token_budget, llep_min_tokens=2)
+    fn = moe_fn(mesh, 4, token_budget=token_budget, llep_min_tokens=2,
+                backend=MoEBackend(grouped_matmul=kernels))
     cotangent = jnp.asarray(rng.standard_normal(arrays["x"].shape), jnp.float32)
     y, grads = jax.jit(lambda a: value_and_grads(fn, ids, a, cotangent.astype(jnp.bfloat16)))(
         bf16)
-    assert aligned_rows and all(rows % gm.ROW_ALIGNMENT == 0 for rows in aligned_rows)
-    assert head_rows_seen == ({384} if splits else {None})
+    assert rows_seen and all(rows % gm.ROW_ALIGNMENT == 0 for rows in rows_seen)
+    assert (384 in rows_seen and 128 in rows_seen) == splits
     with jax.enable_x64(True):
         as64 = {k: jnp.asarray(np.asarray(v, np.float64)) for k, v in bf16.items()}
         ref_y, ref_grads = value_and_grads(reference.mixture_of_experts, ids, as64,

@@ -451,3 +451,41 @@ def test_memory_terms_count_offloaded_boundaries():
     assert sco.sco_host_bytes(12, 100) == 1200
     with pytest.raises(ValueError, match="num_offloaded"):
         sco.sco_memory_terms(4, 5, 100, 0, 0)
+
+
+@pytest.mark.parametrize("offload", [0, 2, LAYERS], ids=str)
+def test_per_layer_params_equal_stacked(rng, offload):
+    """PerLayer params (one pytree per layer) give the stacked form's values, and per-layer
+    gradients equal to the slices of its stacked gradients, bit for bit."""
+    carry, params, cotangent = draw_routed(rng)
+    per_layer = pf.PerLayer(tuple(jax.tree.map(lambda a: a[i], params) for i in range(LAYERS)))
+
+    def run(carry, params):
+        return pf.sco_scan(routed_layer, carry, params, offload=offload)
+
+    value, vjp = jax.vjp(jax.jit(run), carry, params)
+    value_layers, vjp_layers = jax.vjp(jax.jit(run), carry, per_layer)
+    for a, b in zip(jax.tree.leaves(value), jax.tree.leaves(value_layers)):
+        np.testing.assert_array_equal(a, b)
+    d_carry, d_params = vjp(cotangent)
+    d_carry_layers, d_per_layer = vjp_layers(cotangent)
+    assert isinstance(d_per_layer, pf.PerLayer)
+    for a, b in zip(jax.tree.leaves(d_carry), jax.tree.leaves(d_carry_layers)):
+        np.testing.assert_array_equal(a, b)
+    for i, layer in enumerate(d_per_layer.layers):
+        for stacked, sliced in zip(jax.tree.leaves(d_params), jax.tree.leaves(layer)):
+            np.testing.assert_array_equal(stacked[i], sliced)
+
+
+def test_per_layer_layer_waits_only_for_its_own_params(rng):
+    """In the forward, layer l's barrier ties its carry to layer l's parameters only: the
+    parameters of later layers may be computed while it runs."""
+    carry, params, _ = draw_routed(rng)
+    per_layer = pf.PerLayer(tuple(jax.tree.map(lambda a: a[i], params) for i in range(LAYERS)))
+    jaxpr = jax.make_jaxpr(jax.grad(lambda c, p: pf.sco_scan(
+        routed_layer, c, p, offload=0)[0].sum(), argnums=1))(carry, per_layer)
+    layer_leaves = len(jax.tree.leaves(per_layer.layers[0]))
+    carry_leaves = len(jax.tree.leaves(carry))
+    barriers = [e for e in iter_eqns(jaxpr.jaxpr, "optimization_barrier")]
+    forward = barriers[:LAYERS]  # the first L barriers tie each layer's input and params
+    assert all(len(e.invars) == carry_leaves + layer_leaves for e in forward)

@@ -13,10 +13,10 @@ import sys
 import jax
 import numpy as np
 import pytest
+from _helpers import relative_error
 
 from peakflat_jax.config import ConfigError, load_config
 from peakflat_jax.train.trainer import Trainer
-from tests._helpers import relative_error
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -89,8 +89,7 @@ def test_resume_is_exact(tmp_path, optimizer_offload):
     summary = straight.run(progress=False)
     first = Trainer(small_config(switch, "train.steps=6", "train.checkpoint_every=3"),
                     run_dir=str(tmp_path / "b"))
-    first.total_steps = 3  # stop after the checkpoint at step 3, as an interrupted run would
-    half = first.run(progress=False)
+    half = first.run(progress=False, stop_after=3)  # interrupted after the checkpoint at 3
     resumed = Trainer(small_config(switch, "train.steps=6", "train.checkpoint_every=3"),
                       run_dir=str(tmp_path / "b"))
     rest = resumed.run(resume=True, progress=False)

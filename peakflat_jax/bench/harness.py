@@ -14,6 +14,7 @@ import os
 import pathlib
 import platform
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -153,6 +154,28 @@ def run_suite(module: str, name: str, preset: str, cases: list[dict], *, command
         path.write_text(json.dumps(record, indent=1) + "\n")
     record["path"] = str(path)
     return record
+
+
+def new_record(kind: str, **fields) -> dict:
+    """The header every record shares (what, command, device, date, versions, commit) and
+    ``fields``: for scripts that measure in their own process."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return {"benchmark": kind, "command": shlex.join([pathlib.Path(sys.argv[0]).name,
+                                                      *sys.argv[1:]]),
+            "date": now.isoformat(timespec="seconds"), "device": describe_device(),
+            "jax": jax.__version__, "python": platform.python_version(),
+            "commit": git_commit(), **fields}
+
+
+def write_record(record: dict, out_dir: pathlib.Path | str | None = None) -> pathlib.Path:
+    """Writes ``record`` as ``<out_dir>/<benchmark>_<platform>_<date>.json`` (default
+    scripts/results) and returns the path."""
+    out_dir = RESULTS_DIR if out_dir is None else pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.fromisoformat(record["date"]).strftime("%Y%m%d-%H%M%S")
+    path = out_dir / f"{record['benchmark']}_{jax.default_backend()}_{stamp}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
 
 
 def format_bytes(n: int | None) -> str:

@@ -10,8 +10,10 @@ token_budget, strided or contiguous chunks). All compute the same function.
 The gpu preset (65,536 tokens per rank, H = 7168, E = 128, top-8, F = 2048) needs the Mosaic GPU
 grouped matmul: XLA's ragged_dot runs at 45 TFLOP/s there and materializes [M, M] temporaries
 (JAX-NOTES.md), so with the portable path it is neither fast nor small. Its cases name the
-Mosaic grouped matmul and the padded exchange (the ragged one stays off: expert_exchange).
-Measured on 2 H200s: scripts/results/moe_dispatch_gpu_20261130-*.json and the README.
+Mosaic grouped matmul and the padded exchange (``pipelined_moe.MoEBackend``; the ragged one is
+experimental: ``ragged_exchange``). A case without them takes the layer's automatic choice.
+
+Measured: docs/pipelined_moe.md (records: scripts/results/moe_dispatch_*).
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from peakflat_jax import skew
 from peakflat_jax.bench import harness
-from peakflat_jax.ops import expert_exchange, grouped_matmul
-from peakflat_jax.ops.pipelined_moe import pipelined_moe
+from peakflat_jax.ops.pipelined_moe import MoEBackend, pipelined_moe
 
 METHODS = {  # label: pipelined_moe keywords (token_budget filled from the case)
     "ep": dict(balance="none"),
@@ -90,7 +91,9 @@ def _inputs(case: dict, mesh: Mesh):
 
 def _step(case: dict, mesh: Mesh):
     """The jitted fwd+bwd of the case's method: (x, ids, gates, weights) -> (loss, grads)."""
-    keywords = dict(METHODS[case["method"]], llep_min_tokens=case["llep_min_tokens"])
+    keywords = dict(METHODS[case["method"]], llep_min_tokens=case["llep_min_tokens"],
+                    backend=MoEBackend(exchange=case.get("exchange", "padded"),
+                                       grouped_matmul=case.get("grouped_matmul")))
     if case["method"] == "pipelined":
         keywords.update(token_budget=case["token_budget"], membership=case["membership"],
                         max_chunks=case.get("max_chunks", 10))
@@ -113,9 +116,6 @@ def run_case(case: dict) -> dict:
     if len(devices) < case["devices"]:
         return {"error": f"needs {case['devices']} devices, found {len(devices)}"}
     mesh = Mesh(np.array(devices), ("expert",))
-    # Each case names its grouped matmul and exchange; this process (one case) follows them.
-    grouped_matmul.AUTO_SELECTS_MOSAIC = case.get("grouped_matmul") == "mosaic"
-    expert_exchange.RAGGED_ON_GPU = case.get("exchange") == "ragged"
     step = _step(case, mesh)
     arrays = _inputs(case, mesh)
     first_ids = _route(case, case["profiles"][0], mesh)

@@ -5,13 +5,17 @@
 and get zero gradient. ``sum(group_sizes) <= M`` is the caller's promise (it is traced, so not
 checked). ``group_sizes`` gets no gradient.
 
-Two implementations, chosen per call by ``implementation`` (None: automatic):
+Two implementations; ``select_grouped_matmul`` is the one place that chooses between them, from
+the device a call runs on (inside ``shard_map``: the mesh's), the dtypes and K, N, unless the
+caller names one. It returns a ``GroupedMatmul``, a frozen (hashable) callable that also says
+how many rows its caller should allocate (``row_alignment``), so that a layer can record the
+choice in its static description.
 
 ``"xla"``: ``jax.lax.ragged_dot`` with fp32 accumulation and output. Exact and differentiable by
-JAX's own rules, but XLA lowers it densely: on CPU with [G, M, K] temporaries, on an H200 as a
-masked dense matmul (a bf16 [65536, 65536] temporary at M = 65536, G = 16, K = 4096, N = 2048)
-that ran at 45 TFLOP/s against 650 for the Mosaic GPU forward kernel below (JAX-NOTES.md). It
-is the path off Hopper, in tests, and wherever the Mosaic constraints are not met.
+JAX's own rules, but XLA lowers it densely: on CPU with [G, M, K] temporaries, on a GPU as a
+masked dense matmul with an [M, M]-sized temporary, an order of magnitude slower than the
+Mosaic kernels below (docs/pipelined_moe.md, "The grouped matmul"). It is the path off Hopper,
+in tests, and wherever the Mosaic constraints are not met.
 
 ``"mosaic"``: a ``jax.custom_vjp`` of three Pallas Mosaic GPU kernels that jax ships
 (``jax.experimental.pallas.ops.gpu``):
@@ -21,6 +25,9 @@ is the path off Hopper, in tests, and wherever the Mosaic constraints are not me
   rhs [G, K, N] as [G, n=K, k=N] and contracts over N;
 - dW[g] = lhs_g^T @ dy_g: ``transposed_ragged_dot_mgpu.transposed_ragged_dot(lhs, dy, ...)``,
   which takes lhs [M, K] and dy [M, N] grouped along M and returns [G, K, N].
+
+Tests and the memory planner replace the three kernels (``GroupedMatmul("mosaic",
+kernels=...)``): the custom-VJP rule then runs anywhere.
 
 Numbers on the Mosaic path. The kernels accumulate in an fp32 wgmma accumulator but write their
 result in the input dtype, so each product is rounded once to bf16 (or f16) and then cast to
@@ -39,53 +46,39 @@ the MoE dispatch makes is finite, and zeroing it here would cost a pass over lhs
 
 Rows past the groups on the Mosaic path. The forward kernel (and so dx) tiles its whole
 operand: its grid has cdiv(M, block_m) + G - 1 row tiles, and each costs a full tile of matmul
-work whether or not a group fills it (one past the last group computes and stores nothing; by
-the kernel's source in jax 0.11.2). A receive buffer sized for the worst routing holds D times
-the rows a device usually gets, so these kernels' time followed the buffer, not the routing
-(the weight-gradient kernel walks the groups' rows instead). With ``expected_rows`` the
-forward and dx kernels run in two parts (``_rows_in_two_parts``): on the first
-``expected_rows`` rows (rounded up to 128) always, and on the rest only when the groups reach
-there. Each part pays the kernel's G - 1 spare tiles, so when both run the call costs a little
-more than one whole call; and the head part is a copy of those rows of lhs (XLA gives a custom
-call a slice as a new buffer): 1.3 / D of the buffer at the MoE layer's expected rows, 4.9 GB
-for one chunk of 32,768 tokens at D = 2. Measured on 2 H200s at N = 32,768
-(``moe_dispatch_gpu_20261130-112517.json`` against ``-111137.json``): the MoE layer's step
-14-18% faster where the routing stays within the expected rows (EP balanced 375 -> 308 ms, LLEP
-461 -> 395 ms, pipelined 589 -> 508 ms); EP under skew, where the tail runs, unchanged (429 ->
-431 ms); one chunk's peak 5.3 GiB higher (LLEP, 62.8 -> 68.1 GiB), the pipelined chunks' 0.4
-GiB lower.
+work whether or not a group fills it (by the kernel's source in jax 0.11.2). A receive buffer
+sized for the worst routing holds D times the rows a device usually gets, so these kernels' time
+would follow the buffer, not the routing (the weight-gradient kernel walks the groups' rows
+instead). With ``expected_rows`` the forward and dx kernels run in two parts
+(``_rows_in_two_parts``): on the first ``expected_rows`` rows (rounded up to 128) always, and on
+the rest only when the groups reach there. The head part is a copy of those rows of lhs (XLA
+gives a custom call a slice as a new buffer): R * K * b bytes, R the rounded expected rows.
 
 Mosaic constraints (``hopper_gpu_reason`` and ``mosaic_block_configs`` name the first one
-unmet; a forced ``"mosaic"`` raises with it):
+unmet; a requested ``"mosaic"`` raises with it):
 
 - a Hopper GPU (compute capability 9.x: H100, H200): the kernels use wgmma and TMA;
 - ``lhs.dtype == rhs.dtype`` in {bfloat16, float16};
 - each kernel's blocks divide its dimensions: the forward needs M % block_m, N % block_n and
   K % block_k; dx needs M % block_m, K % block_n and N % block_k; dW needs K % block_m,
   N % block_n and M % block_k (dW's blocks then never read past row M). The preferred blocks
-  are block_m = block_n = 128 and block_k = 64, with 6 pipeline stages and ``grid_block_n`` =
-  4, the fastest measured on an H200 for the forward at K = 4096, N = 2048, and for all three
-  kernels at the MoE's K = 7168, N = 2048 (a sweep of the backward kernels' stages and
-  ``grid_block_n`` found nothing faster). M is padded with zero rows to a multiple of
-  ``ROW_ALIGNMENT`` = 128 (a copy of lhs, unless the caller allocated aligned rows:
-  ``row_alignment``), so the M constraints always hold. K and N must be multiples of 128: they
-  are never padded, and no smaller block is offered because the one tried on an H200 (64, 64,
-  32) failed to lower in Mosaic ("Cannot cast to layout ..."); only measured blocks are used;
+  (``PREFERRED``: 128 x 128 x 64, 6 pipeline stages, ``grid_block_n`` = 4) were the fastest
+  measured on an H200 for all three kernels at the MoE's shapes. M is padded with zero rows to
+  a multiple of ``ROW_ALIGNMENT`` = 128 (a copy of lhs, unless the caller allocated aligned
+  rows: ``GroupedMatmul.row_alignment``), so the M constraints always hold. K and N must be
+  multiples of 128: they are never padded, and no smaller block is offered because the one
+  tried on an H200 (64, 64, 32) failed to lower in Mosaic; only measured blocks are used. The
+  constraints on K and N are symmetric, so the MoE's (H, F) and (F, H) products pass or fail
+  together;
 - at least two pipeline steps along the contraction of the forward and dx kernels
   (K // block_k, N // block_k >= 2), since their pipelines hold back one stage;
 - the kernels are single-device custom calls: call under ``jax.shard_map`` (as the MoE layer
   does), not on arrays GSPMD would have to partition.
 
-Status: checked on an H200 on 2026-11-30 by ``scripts/probe_grouped_matmul.py``
-(``scripts/results/grouped_matmul_probe_20261130-065701.json``). At M = 65,536, K = 7168,
-N = 2048, G = 64, bf16: output, dx and dW within 0.36% of fp32 matmuls (bf16 rounding) for
-uniform, skewed and padded groups, padded rows exactly zero; the kernels alone at 549 (forward),
-463-505 (dx) and 471-533 (dW) TFLOP/s, against 673 for a dense batched matmul of equal FLOPs;
-this function's forward (kernel, mask and fp32 cast) at 0.65-0.77x the dense forward and its
-forward + backward at 1.6-1.7x the speed of the dense one's (XLA's dense backward ran at 275
-TFLOP/s). So ``implementation=None`` takes the Mosaic path when all the constraints hold
-(``AUTO_SELECTS_MOSAIC``), and on a Hopper GPU where a shape or dtype rules it out, the XLA
-path with a warning, since that is more than ten times slower there.
+The automatic choice takes the Mosaic path wherever the constraints hold; on a Hopper GPU where
+a shape or dtype rules it out, the XLA path with a warning, since that is far slower there.
+
+Measured: docs/pipelined_moe.md (records: scripts/results/grouped_matmul_probe_*).
 """
 
 from __future__ import annotations
@@ -94,6 +87,7 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -102,9 +96,6 @@ from jax import lax
 from peakflat_jax.ops._shard import varying_like
 
 IMPLEMENTATIONS = ("xla", "mosaic")
-# On since scripts/probe_grouped_matmul.py passed on an H200 (module doc, Status); a switch so
-# that tests can take the automatic choice either way.
-AUTO_SELECTS_MOSAIC = True
 # The Mosaic path pads M to a multiple of this (the largest block over M in any kernel), so that
 # no constraint on M remains.
 ROW_ALIGNMENT = 128
@@ -157,67 +148,109 @@ class GroupedMatmulKernels:
     weight_grad: Callable
 
 
-def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-                   implementation: str | None = None,
-                   expected_rows: int | None = None) -> jax.Array:
-    """``[M, Nout]`` fp32 products of row groups with their matrices (see module doc).
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmul:
+    """One chosen implementation, called like ``grouped_matmul`` (module doc).
 
-    ``implementation``: ``"xla"`` (``lax.ragged_dot``), ``"mosaic"`` (the Hopper kernels; raises
-    where they cannot run) or None (Mosaic where it can run, else XLA; XLA everywhere when
-    ``AUTO_SELECTS_MOSAIC`` is off).
-
-    ``expected_rows``: how many rows the groups usually fill, where M is a worst case (a
-    receive buffer). The Mosaic forward and dx kernels then run on the first
-    ``expected_rows`` (rounded up to 128) rows, and on the rest only when the groups reach
-    past them (module doc, "Rows past the groups"). Same result either way.
+    ``implementation``: ``"xla"`` or ``"mosaic"``. ``kernels``: on the Mosaic path, kernels to
+    use instead of the Mosaic ones (tests, the memory planner); the caller vouches that they
+    run. Hashable, so that it can be part of a static description.
     """
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, "
-                         f"got {implementation!r}")
-    _check_operands(lhs, rhs, group_sizes)
-    group_sizes = group_sizes.astype(jnp.int32)
-    if not _considers_mosaic(implementation):
-        return _xla_grouped_matmul(lhs, rhs, group_sizes)
-    platform_reason = hopper_gpu_reason()
-    rows = lhs.shape[0]
-    aligned = -(-rows // ROW_ALIGNMENT) * ROW_ALIGNMENT
-    configs = mosaic_block_configs(aligned, lhs.shape[1], rhs.shape[2], lhs.dtype, rhs.dtype)
-    if platform_reason is None and isinstance(configs, MosaicConfigs):
+
+    implementation: str
+    kernels: GroupedMatmulKernels | None = None
+
+    def __post_init__(self):
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
+                             f"{self.implementation!r}")
+        if self.kernels is not None and self.implementation != "mosaic":
+            raise ValueError("kernels: only the 'mosaic' implementation takes kernels")
+
+    @property
+    def row_alignment(self) -> int:
+        """The multiple of rows that lhs should have to be taken without a padded copy."""
+        return ROW_ALIGNMENT if self.implementation == "mosaic" else 1
+
+    def __call__(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                 expected_rows: int | None = None) -> jax.Array:
+        """``[M, Nout]`` fp32 (module doc). ``expected_rows``: how many rows the groups usually
+        fill, where M is a worst case (a receive buffer); the Mosaic forward and dx kernels then
+        skip the rest when it is empty (module doc, "Rows past the groups"). Same result."""
+        _check_operands(lhs, rhs, group_sizes)
+        group_sizes = group_sizes.astype(jnp.int32)
+        if self.implementation == "xla":
+            return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+        rows = lhs.shape[0]
+        aligned = -(-rows // ROW_ALIGNMENT) * ROW_ALIGNMENT
+        kernels = self.kernels
+        if kernels is None:
+            configs = mosaic_block_configs(aligned, lhs.shape[1], rhs.shape[2], lhs.dtype,
+                                           rhs.dtype)
+            if isinstance(configs, str):
+                raise ValueError(f"grouped_matmul(implementation='mosaic') cannot run: {configs}")
+            kernels = mosaic_kernels(configs)
         head_rows = None
         if expected_rows is not None:
             head_rows = max(1, -(-int(expected_rows) // ROW_ALIGNMENT)) * ROW_ALIGNMENT
             head_rows = head_rows if head_rows < aligned else None
-        mosaic = build_grouped_matmul(mosaic_kernels(configs), head_rows)
+        mosaic = build_grouped_matmul(kernels, head_rows)
         if aligned == rows:
             return mosaic(lhs, rhs, group_sizes)
         # Zero rows past M lie past sum(group_sizes): padding, as the contract already has.
-        # A copy of lhs: callers that can allocate aligned rows (row_alignment) avoid it.
+        # A copy of lhs: callers that allocate aligned rows (row_alignment) avoid it.
         return mosaic(jnp.pad(lhs, ((0, aligned - rows), (0, 0))), rhs, group_sizes)[:rows]
+
+
+def select_grouped_matmul(device: Any, lhs_dtype, rhs_dtype, k: int, n: int,
+                          implementation: str | GroupedMatmulKernels | None = None
+                          ) -> GroupedMatmul:
+    """The grouped matmul for lhs [M, k] and rhs [G, k, n] on ``device`` (a ``jax.Device`` or
+    the ``AbstractDevice`` of a mesh: anything with ``platform`` and ``device_kind``).
+
+    ``implementation``: None (Mosaic where it can run, else XLA, with a warning on a Hopper
+    GPU), ``"xla"``, ``"mosaic"`` (raises where it cannot run: RuntimeError for the platform,
+    ValueError for the shapes or dtypes), or ``GroupedMatmulKernels`` (the Mosaic path's rule
+    with these kernels, wherever it runs).
+    """
+    if isinstance(implementation, GroupedMatmulKernels):
+        return GroupedMatmul("mosaic", kernels=implementation)
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, kernels or None, "
+                         f"got {implementation!r}")
+    if implementation == "xla":
+        return GroupedMatmul("xla")
+    platform_reason = hopper_gpu_reason(device)
+    configs = mosaic_block_configs(ROW_ALIGNMENT, k, n, lhs_dtype, rhs_dtype)
+    if platform_reason is None and isinstance(configs, MosaicConfigs):
+        return GroupedMatmul("mosaic")
     reason = platform_reason or configs
     if implementation == "mosaic":
         error = RuntimeError if platform_reason else ValueError
         raise error(f"grouped_matmul(implementation='mosaic') cannot run: {reason}")
     if platform_reason is None:
         warnings.warn(f"grouped_matmul: taking the slow dense lax.ragged_dot path on a Hopper "
-                      f"GPU because the Mosaic kernels cannot run: {reason}", stacklevel=2)
-    return _xla_grouped_matmul(lhs, rhs, group_sizes)
+                      f"GPU because the Mosaic kernels cannot run: {reason}", stacklevel=3)
+    return GroupedMatmul("xla")
 
 
-def row_alignment(implementation: str | None = None) -> int:
-    """The multiple of rows that lets ``grouped_matmul`` take lhs without a padded copy: 128
-    where the Mosaic path would run, else 1. Dtypes and K, N still decide the final choice."""
-    if not _considers_mosaic(implementation):
-        return 1
-    return ROW_ALIGNMENT if hopper_gpu_reason() is None else 1
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                   implementation: str | None = None,
+                   expected_rows: int | None = None) -> jax.Array:
+    """``[M, Nout]`` fp32 products of row groups with their matrices (module doc), with the
+    implementation ``select_grouped_matmul`` picks for the device this call runs on
+    (``call_device``) or the one named."""
+    _check_operands(lhs, rhs, group_sizes)
+    matmul = select_grouped_matmul(call_device(), lhs.dtype, rhs.dtype, lhs.shape[1],
+                                   rhs.shape[2], implementation)
+    return matmul(lhs, rhs, group_sizes, expected_rows=expected_rows)
 
 
-def _considers_mosaic(implementation: str | None) -> bool:
-    """Whether ``implementation`` asks for the Mosaic path, where it can run."""
-    return implementation == "mosaic" or (implementation is None and AUTO_SELECTS_MOSAIC)
-
-
-def _xla_grouped_matmul(lhs, rhs, group_sizes):
-    return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+def call_device() -> Any:
+    """The device a traced call runs on: inside ``shard_map``, the mesh's (an
+    ``AbstractDevice``: platform and device kind); elsewhere the default device."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return device if device is not None else jax.devices()[0]
 
 
 def _check_operands(lhs, rhs, group_sizes) -> None:
@@ -234,25 +267,26 @@ def _check_operands(lhs, rhs, group_sizes) -> None:
 # When the Mosaic path can run.
 
 
-def hopper_gpu_reason() -> str | None:
-    """None on a Hopper GPU (compute capability 9.x), else why the Mosaic kernels cannot run."""
-    device = jax.devices()[0]
-    if device.platform != "gpu":
-        return (f"the Mosaic kernels need a Hopper GPU (H100/H200), and the default device is "
-                f"{device.platform} ({device.device_kind})")
+def hopper_gpu_reason(device: Any) -> str | None:
+    """None if ``device`` (a ``jax.Device`` or a mesh's ``AbstractDevice``) is a Hopper GPU
+    (compute capability 9.x), else why the Mosaic kernels cannot run there."""
+    platform, kind = device.platform, device.device_kind
+    if platform != "gpu":
+        return (f"the Mosaic kernels need a Hopper GPU (H100/H200), and the call runs on "
+                f"{platform} ({kind})")
     capability = getattr(device, "compute_capability", None)
     if capability is not None:
         hopper = str(capability).split(".")[0] == "9"
-    else:
-        hopper = any(name in device.device_kind for name in ("H100", "H200", "H800", "H20"))
+    else:  # a mesh's AbstractDevice knows the kind only
+        hopper = any(name in kind for name in ("H100", "H200", "H800", "H20"))
     if not hopper:
         return (f"the Mosaic kernels need a Hopper GPU (compute capability 9.x: H100/H200), and "
-                f"the default device is {device.device_kind} (compute capability {capability})")
+                f"the call runs on {kind} (compute capability {capability})")
     return None
 
 
-def mosaic_block_configs(m: int, k: int, n: int, lhs_dtype, rhs_dtype,
-                         preferred: MosaicConfigs = PREFERRED) -> MosaicConfigs | str:
+def mosaic_block_configs(m: int, k: int, n: int, lhs_dtype,
+                         rhs_dtype) -> MosaicConfigs | str:
     """The blocks of the three kernels for lhs [m, k] and rhs [G, k, n]: the preferred ones
     where they divide (no smaller blocks are offered: module doc), else a string naming the
     constraint unmet."""
@@ -261,10 +295,10 @@ def mosaic_block_configs(m: int, k: int, n: int, lhs_dtype, rhs_dtype,
         return (f"the Mosaic kernels need lhs and rhs of one dtype in "
                 f"{[str(d) for d in MOSAIC_DTYPES]}, got {lhs_dtype} and {rhs_dtype}")
     # Each kernel as (rows, cols, contraction) of its own output and sum, with our names.
-    forward = _fit("forward", preferred.forward, ("M", m), ("N", n), ("K", k), min_steps=2)
-    input_grad = _fit("dx (forward kernel, transpose_rhs=True)", preferred.input_grad,
+    forward = _fit("forward", PREFERRED.forward, ("M", m), ("N", n), ("K", k), min_steps=2)
+    input_grad = _fit("dx (forward kernel, transpose_rhs=True)", PREFERRED.input_grad,
                       ("M", m), ("K", k), ("N", n), min_steps=2)
-    weight_grad = _fit("dW (transposed_ragged_dot)", preferred.weight_grad, ("K", k), ("N", n),
+    weight_grad = _fit("dW (transposed_ragged_dot)", PREFERRED.weight_grad, ("K", k), ("N", n),
                        ("M", m), min_steps=1)
     for fitted in (forward, input_grad, weight_grad):
         if isinstance(fitted, str):

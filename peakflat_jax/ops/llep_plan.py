@@ -16,19 +16,50 @@ Algorithm (SPEC.md, Operator 1, step 2):
    lowest ``assigned + pending`` (pending: its own experts' loads not yet planned): a piece is the
    helper's room, but at least ``min_tokens`` (or the whole remainder if smaller). When no
    helper has room the remainder goes to the least loaded device, owner included.
-3. A device hosts at most ``max_foreign`` foreign experts (static buffers); helpers at that bound
-   are passed over, and when none is left the remainder stays with the owner.
+3. A device hosts at most ``max_foreign_experts`` foreign experts (static buffers); helpers at
+   that bound are passed over, and when none is left the remainder stays with the owner.
+
+The knobs are one frozen ``LLEPConfig``; the operator's keywords default to its fields.
 
 Legend: E experts, D devices in the expert-parallel group, E_l = E / D experts per device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class LLEPConfig:
+    """The knobs of the least-loaded plan (SPEC.md, Operator 1, step 2; the paper's values)."""
+
+    threshold: float = 1.3
+    """lambda: plain expert parallelism while the busiest device's native load is below lambda
+    times the mean."""
+    capacity: float = 1.0
+    """alpha: devices are filled to ``ceil(alpha * T / D)`` token-slots (T: all of them)."""
+    min_tokens: int = 1024
+    """m: the smallest piece of an expert a helper takes (a final remainder may be smaller)."""
+    max_foreign_experts: int | None = None
+    """Foreign experts a device may host: the size of its static buffers for migrated weights.
+    None: ``default_max_foreign_experts``."""
+
+    def foreign_bound(self, num_experts: int, num_devices: int) -> int:
+        """``max_foreign_experts``, or its default for E experts over D devices."""
+        if self.max_foreign_experts is not None:
+            return self.max_foreign_experts
+        return default_max_foreign_experts(num_experts, num_devices)
+
+
+def default_max_foreign_experts(num_experts: int, num_devices: int) -> int:
+    """The foreign-expert bound when none is given: E_l, as many as a device owns (0 on one
+    device)."""
+    return num_experts // num_devices if num_devices > 1 else 0
 
 
 def plain_assignment(loads: jax.Array, num_devices: int) -> jax.Array:
@@ -39,16 +70,13 @@ def plain_assignment(loads: jax.Array, num_devices: int) -> jax.Array:
                      ).astype(jnp.int32)
 
 
-def llep_assignment(loads: jax.Array, num_devices: int, *, threshold: float = 1.3,
-                    capacity: float = 1.0, min_tokens: int = 1024,
-                    max_foreign: int | None = None) -> jax.Array:
-    """The ``[E, D]`` int32 LLEP plan for per-expert token-slot ``loads [E]`` (see module doc).
-
-    ``max_foreign`` defaults to E_l: a device may host as many foreign experts as it owns.
-    """
+def llep_assignment(loads: jax.Array, num_devices: int,
+                    config: LLEPConfig = LLEPConfig()) -> jax.Array:
+    """The ``[E, D]`` int32 LLEP plan for per-expert token-slot ``loads [E]`` (module doc)."""
     num_experts = loads.shape[0]
     experts_per_device = num_experts // num_devices
-    max_foreign = experts_per_device if max_foreign is None else max_foreign
+    threshold, capacity, min_tokens = config.threshold, config.capacity, config.min_tokens
+    max_foreign = config.foreign_bound(num_experts, num_devices)
     loads = loads.astype(jnp.int32)
     owner = jnp.arange(num_experts) // experts_per_device
     devices = jnp.arange(num_devices)

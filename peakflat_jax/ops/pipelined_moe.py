@@ -1,7 +1,7 @@
 """PipelinedLLEP: a mixture-of-experts layer whose dispatch buffers are bounded by a per-source
 token budget, whatever the routing.
 
-Per rank (a shard_map over the expert-parallel axis of D devices, each owning E_l experts):
+Per rank (a shard_map over the expert-parallel axis or axes, D devices, each owning E_l experts):
 
 1. **Load.** Count token-slots per expert (a token routed to k experts counts k times),
    all-gather the counts over the group (the sum is the plan's input; the per-source rows give
@@ -13,55 +13,44 @@ Per rank (a shard_map over the expert-parallel axis of D devices, each owning E_
    ``max_foreign_experts`` each); the gradients of those copies flow back to the owners through
    the transposed collectives and add to theirs.
 4. **Chunks.** K = min(ceil(N / token_budget), max_chunks) chunks of c = ceil(N / K) tokens:
-   strided (chunk i holds tokens i, i+K, i+2K, ...: a hot expert's tail is spread over all
-   chunks) or contiguous. A software-pipelined ``lax.scan``: step i issues chunk i+1's dispatch
-   before chunk i's expert matmuls, and nothing links the two, so on a GPU the all-to-all can
-   run under the matmuls. A custom VJP keeps only the inputs (autodiff of the scan would save
-   every carried receive buffer); backward re-dispatches and recomputes chunk by chunk in
-   reverse, pipelined the same way. Forward, backward and any replay of an enclosing checkpoint
-   hold two chunks' receive buffers and one chunk's intermediates at a time.
-5. **Per chunk.** All-to-all dispatch of the chunk's S = c*k slots (padded, or ragged on GPU:
-   ``expert_exchange``), grouped SwiGLU matmuls over the local and foreign experts, all-to-all
-   back, gate-weighted sum over k.
+   strided (chunk i holds tokens i, i+K, i+2K, ...) or contiguous. A software-pipelined
+   ``lax.scan``: step i issues chunk i+1's dispatch before chunk i's expert matmuls, and
+   nothing links the two, so on a GPU the all-to-all can run under the matmuls. A custom VJP
+   keeps only the inputs; backward re-dispatches and recomputes chunk by chunk in reverse,
+   pipelined the same way.
+5. **Per chunk.** Dispatch of the chunk's S = c*k slots (an ``expert_exchange.Exchange``),
+   grouped SwiGLU matmuls over the local and foreign experts (``grouped_matmul``), the
+   exchange back, gate-weighted sum over k.
 
-Memory bound (per device, besides inputs, outputs and their gradients; b = bytes of x's dtype,
-G = E_l + max_foreign_experts groups, M = D * k * c rows that reach a device per chunk):
+Memory bound: ``pipelined_moe_memory_terms`` gives it per device, term by term, as a function of
+the static sizes (``MEMORY_FORMULAS`` states each term). Every term is fixed at launch: skew
+makes the plan move more weights (up to the foreign bound), never a buffer larger. The paper's
+receive-side bound is 2 * M * H * b (M = D * k * c rows reach a device per chunk); the padded
+all-to-all adds send buckets of the same size. ``unchunked_moe_memory_terms`` gives the same
+terms for one chunk (plain EP or LLEP without a budget): the baseline a planner compares with.
 
-    dispatch:   5 * M * H * b          the carried receive buffer, and one chunk's send and
-                                       receive buckets, there and back (backward: 7 * M * H * b,
-                                       with the received rows' cotangent and its way home)
-    expert FFN: 3 * M * F * 4          gate and up projections (fp32), their product
-    weights:    2 * 3 * G * H * F * b  local + foreign experts side by side, and their gradients
-                + 3 * G * H * F * 4    backward's fp32 sum of the chunks' weight gradients
-    tokens:     3 * N * H * b          chunked copies of x and y, the output gather
-    routing:    O(N * k) int32 metadata
-    Mosaic:     R * H * b              the grouped matmul's copy of the first R =
-                                       max(lambda, alpha) * k * c sorted rows (its forward
-                                       and dx kernels skip the rest when empty)
+Why the code is shaped so:
 
-Every term is fixed at launch: skew makes the plan move more weights, never a buffer larger. The
-paper's receive-side bound is 2 * M * H * b; the padded all-to-all (the only one XLA:CPU has)
-adds send buckets of the same size. The ragged form (``expert_exchange.exchange_kind``, for
-GPUs) sends only the rows that exist: a chunk's exchanges then hold 2 * (M + k * c) rows
-instead of 4 * M. The portable grouped matmul
-(``lax.ragged_dot``) adds XLA's dense expansion, about 5 * G * M * max(H, F) * 4 per chunk,
-which a grouped-matmul kernel does not have. No token-slot is dropped: an expert id outside
-[0, E) makes its token's output NaN.
+- Chunks are strided by default: LLEP orders each expert's slots by source position, so
+  contiguous chunks hand a hot expert's whole spill tail to one helper.
+- A custom VJP over the chunk scan, not autodiff: autodiff of a scan saves every iteration's
+  carried receive buffer, the whole dispatch; recomputing per chunk keeps one chunk live in
+  forward, backward and any replay of an enclosing checkpoint.
+- Rows move between orders (expert order, send buckets, chunks, migrated weights) by gathers
+  both ways (``row_permutation``), because scatters were the bottleneck on GPUs.
+- Platform choices (which exchange, which grouped matmul) are made once per call in
+  ``_describe_call`` from the mesh's devices, and recorded in the call's static ``_MoEPlan``;
+  tests and benchmarks override them with ``backend=MoEBackend(...)``.
 
-Rows move between orders (expert order, send buckets, chunks, migrated weights) by gathers
-both ways (``row_permutation``): as scatters they were 140 ms of a 718 ms step on 2 H200s
-(``scripts/results/trace_summary_70e20c6_*.json``).
+Constraints: E a multiple of D; ``expert_ids`` in ``[0, E)`` (a token with an id outside gives
+NaN, never a dropped slot); reverse-mode differentiation only.
 
-Measured on 2 H200s (scripts/results/moe_dispatch_gpu_20261130-112517.json, commit 95a208b; E =
-128, k = 8, H = 7168, F = 2048, bf16, c = 6554, G = 128, Mosaic grouped matmul): at N = 32,768
-the bound gives 60.6 GB, XLA planned 49.0 GB of temporaries besides 6.1 GB each of arguments
-and outputs, and the allocator peaked at 57.0 GiB (one chunk: 68.1 GiB). The weight terms (45
-GB at G = 128) dominate there; what grows with N is bounded: at N = 65,536 the peak was 59.3
-GiB (at commit 5fc6457, before the grouped matmul's split, ``-111648.json``: 59.7 GiB against
-98.9 GiB for one chunk).
+Measured: docs/pipelined_moe.md (records: scripts/results/moe_dispatch_*, moe_plan_*).
 
-Legend: N tokens on this rank, H hidden, F expert FFN width, k top-k, E experts, D devices,
-E_l = E / D, K chunks, c tokens per chunk, S = c * k slots per chunk per source.
+Legend: N tokens on this rank, H hidden, F expert FFN width, k top-k, E experts, D devices of
+the expert axis (E_p), E_l = E / D, K chunks, c tokens per chunk, S = c * k slots per chunk per
+source, M = D * S rows per chunk on a device, G = E_l + max_foreign_experts expert groups on a
+device, b bytes per element of x's dtype.
 """
 
 from __future__ import annotations
@@ -69,7 +58,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,61 +66,40 @@ import numpy as np
 from jax import lax
 
 from peakflat_jax._validate import as_int, as_positive_float
-from peakflat_jax.ops import expert_exchange, grouped_matmul, llep_plan, row_permutation
+from peakflat_jax.ops import grouped_matmul, llep_plan, row_permutation
+from peakflat_jax.ops import grouped_matmul as grouped_matmul_module
 from peakflat_jax.ops._shard import vary_alike
+from peakflat_jax.ops.expert_exchange import Exchange, PaddedExchange
+from peakflat_jax.ops.llep_plan import LLEPConfig
+from peakflat_jax.ops.ragged_exchange import RaggedExchange
 
 MEMBERSHIPS = ("strided", "contiguous")
 BALANCES = ("llep", "none")
+EXCHANGES = {"padded": PaddedExchange(), "ragged": RaggedExchange()}
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layer:
-    """Static description of one call."""
+class MoEBackend:
+    """How one call moves and multiplies rows: an override for tests and benchmarks. By default
+    (``backend=None``) the call takes the padded exchange and the grouped matmul that
+    ``grouped_matmul.select_grouped_matmul`` picks for the mesh's devices."""
 
-    axis_name: Any
-    num_devices: int
-    num_experts: int
-    num_tokens: int
-    top_k: int
-    num_chunks: int
-    membership: str
-    balance: str
-    llep_threshold: float
-    llep_capacity: float
-    llep_min_tokens: int
-    max_foreign_experts: int
-    exchange: str  # expert_exchange.KINDS
-
-    @property
-    def experts_per_device(self) -> int:
-        return self.num_experts // self.num_devices
-
-    @property
-    def num_groups(self) -> int:
-        return self.experts_per_device + self.max_foreign_experts
-
-    @property
-    def chunk_tokens(self) -> int:
-        return math.ceil(self.num_tokens / self.num_chunks)
-
-    @property
-    def expected_rows(self) -> int:
-        """Rows a device usually receives per chunk: a source's k * c slots (the mean), times
-        the most the plan lets a device exceed it by: below the gate's lambda plain EP runs, and
-        above it the plan fills devices to alpha times the mean. The buffer holds D times the
-        mean, for any routing; the grouped matmul skips its rows past this many when empty.
-        With balance="none" nothing bounds a device's load: under skew the rest runs too."""
-        return math.ceil(max(self.llep_threshold, self.llep_capacity) * self.top_k
-                         * self.chunk_tokens)
+    exchange: str | Exchange = "padded"
+    """``"padded"``, ``"ragged"`` (experimental: ``ragged_exchange``) or an ``Exchange``."""
+    grouped_matmul: str | grouped_matmul.GroupedMatmulKernels | None = None
+    """None (automatic), ``"xla"``, ``"mosaic"``, or kernels that stand in for the Mosaic ones
+    (the Mosaic path's custom-VJP rule, on any platform)."""
 
 
 def pipelined_moe(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_gate: jax.Array,
                   w_up: jax.Array, w_down: jax.Array, *, axis_name: Any, num_experts: int,
                   token_budget: int | None = None, max_chunks: int = 10,
                   membership: str = "strided", balance: str = "llep",
-                  llep_threshold: float = 1.3, llep_capacity: float = 1.0,
-                  llep_min_tokens: int = 1024,
-                  max_foreign_experts: int | None = None) -> jax.Array:
+                  llep_threshold: float = LLEPConfig.threshold,
+                  llep_capacity: float = LLEPConfig.capacity,
+                  llep_min_tokens: int = LLEPConfig.min_tokens,
+                  max_foreign_experts: int | None = LLEPConfig.max_foreign_experts,
+                  backend: MoEBackend | None = None) -> jax.Array:
     """``y[n] = sum_j gates[n, j] * ffn_{expert_ids[n, j]}(x[n])`` with experts spread over
     ``axis_name`` (expert e on position e // E_l), in chunks of bounded size.
 
@@ -143,14 +111,19 @@ def pipelined_moe(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_gate:
       gates: ``[N, k]`` weight of each slot.
       w_gate, w_up: ``[E_l, H, F]``; w_down: ``[E_l, F, H]``: this rank's experts,
         ``ffn_e(v) = (silu(v @ w_gate[e]) * (v @ w_up[e])) @ w_down[e]``.
-      axis_name: the expert-parallel mesh axis (D devices).
+      axis_name: the expert-parallel mesh axis, or a tuple of axes (D = the product of their
+        sizes; positions in row-major order, as ``P(axes)`` shards the experts).
       num_experts: E, a multiple of D.
       token_budget: tokens per chunk per source (c); None means one chunk.
       max_chunks: at most this many chunks (K_max); it wins over token_budget.
       membership: ``"strided"`` or ``"contiguous"`` chunks.
       balance: ``"llep"`` (least-loaded spill with weight migration) or ``"none"``.
-      llep_threshold, llep_capacity, llep_min_tokens: the plan's lambda, alpha and m.
-      max_foreign_experts: foreign experts a device may host (static buffers); default E_l.
+      llep_threshold, llep_capacity, llep_min_tokens: the plan's lambda, alpha and m
+        (``llep_plan.LLEPConfig``).
+      max_foreign_experts: foreign experts a device may host (static buffers); None: the
+        plan's default (``llep_plan.default_max_foreign_experts``).
+      backend: for tests and benchmarks: the exchange and grouped matmul to use
+        (``MoEBackend``); None picks them from the mesh's devices.
 
     Returns:
       ``[N, H]`` in x's dtype; rows whose ids leave ``[0, num_experts)`` are NaN.
@@ -158,18 +131,92 @@ def pipelined_moe(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_gate:
     Reverse-mode differentiable (a custom VJP over the chunks): ``jax.jvp`` and ``jacfwd``
     raise.
     """
-    layer = _describe_call(x, expert_ids, gates, w_gate, w_up, w_down, axis_name, num_experts,
-                           token_budget, max_chunks, membership, balance, llep_threshold,
-                           llep_capacity, llep_min_tokens, max_foreign_experts)
+    plan = _describe_call(
+        x=x, expert_ids=expert_ids, gates=gates, w_gate=w_gate, w_up=w_up, w_down=w_down,
+        axis_name=axis_name, num_experts=num_experts, token_budget=token_budget,
+        max_chunks=max_chunks, membership=membership, balance=balance,
+        llep=LLEPConfig(threshold=llep_threshold, capacity=llep_capacity,
+                        min_tokens=llep_min_tokens, max_foreign_experts=max_foreign_experts),
+        backend=backend)
     x, gates, w_gate, w_up, w_down, expert_ids = vary_alike(x, gates, w_gate, w_up, w_down,
                                                             expert_ids)
-    return _pipelined_moe(layer, x, expert_ids, gates, w_gate, w_up, w_down)
+    return _pipelined_moe(plan, x, expert_ids, gates, (w_gate, w_up, w_down))
 
 
-def _describe_call(x, expert_ids, gates, w_gate, w_up, w_down, axis_name, num_experts,
-                   token_budget, max_chunks, membership, balance, llep_threshold, llep_capacity,
-                   llep_min_tokens, max_foreign_experts) -> _Layer:
-    """Checks the arguments at trace time and fixes the static plan of the layer."""
+def _pipelined_moe(plan: _MoEPlan, x, expert_ids, gates, weights):
+    """Route every slot, migrate the foreign experts' weights, run the chunks, unchunk."""
+    slots = _plan_slots(plan, expert_ids)
+    weights = _migrate_weights(plan, slots.foreign, weights)
+    tokens, place = _chunk_layout(plan)
+    tokens, place = jnp.asarray(tokens.reshape(-1), jnp.int32), jnp.asarray(place, jnp.int32)
+
+    def chunked(a, fill):  # [K, c, ...]; token N (out of range) pads the last chunk
+        return row_permutation.gather_rows(a, tokens, place, fill).reshape(
+            plan.num_chunks, -1, *a.shape[1:])
+
+    chunks = _Chunks(x=chunked(x, 0), gates=chunked(gates, 0),
+                     destination=chunked(slots.destination, plan.num_devices),
+                     group=chunked(slots.group, plan.num_groups))
+    y_chunks = _run_chunks(plan, weights, chunks)
+    y = row_permutation.gather_rows(y_chunks.reshape(-1, x.shape[1]), place, tokens)
+    return jnp.where(slots.invalid_token[:, None], jnp.nan, y).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# The call's static plan.
+
+
+@dataclasses.dataclass(frozen=True)
+class _MoEPlan:
+    """Everything static about one call: sizes, chunking, the LLEP knobs (with the foreign bound
+    resolved), and the backend chosen for its devices."""
+
+    axis_name: Any
+    num_devices: int
+    num_experts: int
+    num_tokens: int
+    top_k: int
+    num_chunks: int
+    membership: str
+    balance: str
+    llep: LLEPConfig  # max_foreign_experts resolved to an int (0 without LLEP)
+    exchange: Exchange
+    matmul: grouped_matmul.GroupedMatmul
+
+    @property
+    def experts_per_device(self) -> int:
+        return self.num_experts // self.num_devices
+
+    @property
+    def max_foreign_experts(self) -> int:
+        return self.llep.max_foreign_experts
+
+    @property
+    def num_groups(self) -> int:
+        return self.experts_per_device + self.max_foreign_experts
+
+    @property
+    def chunk_tokens(self) -> int:
+        return math.ceil(self.num_tokens / self.num_chunks)
+
+    @property
+    def expected_rows(self) -> int:
+        return _expected_rows(self.llep, self.top_k, self.chunk_tokens)
+
+
+def _expected_rows(llep: LLEPConfig, top_k: int, chunk_tokens: int) -> int:
+    """Rows a device usually receives per chunk: a source's k * c slots (the mean), times the
+    most the plan lets a device exceed it by: below the gate's lambda plain EP runs, and above
+    it the plan fills devices to alpha times the mean. The buffer holds D times the mean, for
+    any routing; the grouped matmul skips its rows past this many when empty. With
+    balance="none" nothing bounds a device's load: under skew the rest runs too."""
+    return math.ceil(max(llep.threshold, llep.capacity) * top_k * chunk_tokens)
+
+
+def _describe_call(*, x, expert_ids, gates, w_gate, w_up, w_down, axis_name, num_experts,
+                   token_budget, max_chunks, membership, balance, llep: LLEPConfig,
+                   backend: MoEBackend | None) -> _MoEPlan:
+    """Checks the arguments at trace time and fixes the static plan of the call."""
     if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating) or x.shape[0] < 1:
         raise ValueError(f"x: expected a floating [N, H] array with N >= 1, got "
                          f"{x.dtype}{list(x.shape)}")
@@ -193,118 +240,157 @@ def _describe_call(x, expert_ids, gates, w_gate, w_up, w_down, axis_name, num_ex
     if w_up.shape != w_gate.shape:
         raise ValueError(f"w_up: expected {list(w_gate.shape)} like w_gate, got "
                          f"{list(w_up.shape)}")
-    if w_down.shape != (local, w_gate.shape[2], hidden):
-        raise ValueError(f"w_down: expected [E_l={local}, F={w_gate.shape[2]}, H={hidden}], got "
+    ffn = w_gate.shape[2]
+    if w_down.shape != (local, ffn, hidden):
+        raise ValueError(f"w_down: expected [E_l={local}, F={ffn}, H={hidden}], got "
                          f"{list(w_down.shape)}")
-    token_budget = None if token_budget is None else as_int("token_budget", token_budget)
-    if token_budget is not None and token_budget < 1:
-        raise ValueError(f"token_budget: expected None or a positive int, got {token_budget!r}")
+    num_chunks = _num_chunks(num_tokens, token_budget, max_chunks)
+    if membership not in MEMBERSHIPS:
+        raise ValueError(f"membership: expected one of {MEMBERSHIPS}, got {membership!r}")
+    llep = _checked_llep(llep, balance, num_experts, num_devices)
+    return _MoEPlan(axis_name=axis_name, num_devices=num_devices, num_experts=num_experts,
+                    num_tokens=num_tokens, top_k=expert_ids.shape[1], num_chunks=num_chunks,
+                    membership=membership, balance=balance, llep=llep,
+                    exchange=_resolve_exchange(backend),
+                    matmul=_resolve_grouped_matmul(backend, x.dtype, w_gate.dtype, hidden, ffn))
+
+
+def _num_chunks(num_tokens: int, token_budget, max_chunks) -> int:
+    """K = min(ceil(N / c), K_max), or 1 without a budget; checks both arguments."""
+    if token_budget is not None:
+        token_budget = as_int("token_budget", token_budget)
+        if token_budget < 1:
+            raise ValueError(f"token_budget: expected None or a positive int, got "
+                             f"{token_budget!r}")
     max_chunks = as_int("max_chunks", max_chunks)
     if max_chunks < 1:
         raise ValueError(f"max_chunks: expected a positive int, got {max_chunks!r}")
-    if membership not in MEMBERSHIPS:
-        raise ValueError(f"membership: expected one of {MEMBERSHIPS}, got {membership!r}")
+    if token_budget is None:
+        return 1
+    return min(math.ceil(num_tokens / token_budget), max_chunks)
+
+
+def _checked_llep(llep: LLEPConfig, balance: str, num_experts: int,
+                  num_devices: int) -> LLEPConfig:
+    """The LLEP knobs checked (errors name the public keywords), with the foreign bound
+    resolved: 0 under plain expert parallelism."""
     if balance not in BALANCES:
         raise ValueError(f"balance: expected one of {BALANCES}, got {balance!r}")
-    llep_threshold = as_positive_float("llep_threshold", llep_threshold)
-    llep_capacity = as_positive_float("llep_capacity", llep_capacity)
-    llep_min_tokens = as_int("llep_min_tokens", llep_min_tokens)
-    if llep_min_tokens < 1:
-        raise ValueError(f"llep_min_tokens: expected a positive int, got {llep_min_tokens!r}")
-    if max_foreign_experts is None:
-        max_foreign_experts = local if balance == "llep" and num_devices > 1 else 0
-    max_foreign_experts = as_int("max_foreign_experts", max_foreign_experts)
-    if not 0 <= max_foreign_experts <= num_experts - local:
-        raise ValueError(f"max_foreign_experts: expected an int in [0, E - E_l = "
-                         f"{num_experts - local}], got {max_foreign_experts!r}")
-    if balance == "none":
-        max_foreign_experts = 0
-    num_chunks = 1 if token_budget is None else min(math.ceil(num_tokens / token_budget),
-                                                    max_chunks)
-    return _Layer(axis_name, num_devices, num_experts, num_tokens, expert_ids.shape[1],
-                  num_chunks, membership, balance, llep_threshold, llep_capacity,
-                  llep_min_tokens, max_foreign_experts, expert_exchange.exchange_kind())
+    threshold = as_positive_float("llep_threshold", llep.threshold)
+    capacity = as_positive_float("llep_capacity", llep.capacity)
+    min_tokens = as_int("llep_min_tokens", llep.min_tokens)
+    if min_tokens < 1:
+        raise ValueError(f"llep_min_tokens: expected a positive int, got {min_tokens!r}")
+    local = num_experts // num_devices
+    if llep.max_foreign_experts is not None:
+        bound = as_int("max_foreign_experts", llep.max_foreign_experts)
+        if not 0 <= bound <= num_experts - local:
+            raise ValueError(f"max_foreign_experts: expected an int in [0, E - E_l = "
+                             f"{num_experts - local}], got {bound!r}")
+    bound = llep.foreign_bound(num_experts, num_devices) if balance == "llep" else 0
+    return LLEPConfig(threshold=threshold, capacity=capacity, min_tokens=min_tokens,
+                      max_foreign_experts=min(bound, num_experts - local))
+
+
+def _resolve_exchange(backend: MoEBackend | None) -> Exchange:
+    exchange = (backend or MoEBackend()).exchange
+    if isinstance(exchange, str):
+        if exchange not in EXCHANGES:
+            raise ValueError(f"backend: exchange must be one of {sorted(EXCHANGES)} or an "
+                             f"Exchange, got {exchange!r}")
+        return EXCHANGES[exchange]
+    if not all(hasattr(exchange, name) for name in ("routes", "send", "combine")):
+        raise ValueError(f"backend: exchange must be one of {sorted(EXCHANGES)} or an "
+                         f"Exchange, got {exchange!r}")
+    return exchange
+
+
+def _resolve_grouped_matmul(backend: MoEBackend | None, x_dtype, w_dtype, hidden: int,
+                            ffn: int) -> grouped_matmul.GroupedMatmul:
+    """The grouped matmul for the devices this call runs on; one choice serves the (H, F) and
+    (F, H) products, whose Mosaic constraints are the same."""
+    implementation = (backend or MoEBackend()).grouped_matmul
+    return grouped_matmul.select_grouped_matmul(grouped_matmul.call_device(), x_dtype, w_dtype,
+                                                hidden, ffn, implementation)
 
 
 # ----------------------------------------------------------------------------------------------
 # Routing: where every slot goes, decided once per step from the all-gathered counts.
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class _Routes:
-    destination: jax.Array  # [N, k] device of each slot; D where the id is invalid
-    group: jax.Array        # [N, k] group (local expert, then foreign slot) on that device
-    foreign: jax.Array      # [D, max_foreign] foreign experts hosted by each device, -1 pads
+class _SlotPlan:
+    destination: jax.Array    # [N, k] device of each slot; D where the id is invalid
+    group: jax.Array          # [N, k] group (local expert, then foreign slot) on that device
+    foreign: jax.Array        # [D, max_foreign] foreign experts hosted by each device, -1 pads
     invalid_token: jax.Array  # [N] bool: some id of the token is outside [0, E)
 
 
-def _route_slots(layer: _Layer, expert_ids: jax.Array) -> _Routes:
+def _plan_slots(plan: _MoEPlan, expert_ids: jax.Array) -> _SlotPlan:
     ids = expert_ids.reshape(-1).astype(jnp.int32)
-    valid = (ids >= 0) & (ids < layer.num_experts)
-    expert = jnp.where(valid, ids, layer.num_experts)  # invalid slots sort last, count nowhere
-    counts = jnp.zeros(layer.num_experts + 1, jnp.int32).at[expert].add(1)[:-1]
-    all_counts = lax.all_gather(counts, layer.axis_name)  # [D, E]
+    valid = (ids >= 0) & (ids < plan.num_experts)
+    expert = jnp.where(valid, ids, plan.num_experts)  # invalid slots sort last, count nowhere
+    counts = jnp.zeros(plan.num_experts + 1, jnp.int32).at[expert].add(1)[:-1]
+    all_counts = lax.all_gather(counts, plan.axis_name)  # [D, E]
     loads = all_counts.sum(0)
-    if layer.balance == "llep":
-        assignment = llep_plan.llep_assignment(
-            loads, layer.num_devices, threshold=layer.llep_threshold,
-            capacity=layer.llep_capacity, min_tokens=layer.llep_min_tokens,
-            max_foreign=layer.max_foreign_experts)
+    if plan.balance == "llep":
+        assignment = llep_plan.llep_assignment(loads, plan.num_devices, plan.llep)
     else:
-        assignment = llep_plan.plain_assignment(loads, layer.num_devices)
-    me = lax.axis_index(layer.axis_name)
+        assignment = llep_plan.plain_assignment(loads, plan.num_devices)
+    me = lax.axis_index(plan.axis_name)
     # Global index of each slot among its expert's slots: earlier sources first, then the
     # slot's rank among this source's slots of the same expert.
-    earlier_sources = jnp.sum(jnp.where(jnp.arange(layer.num_devices)[:, None] < me,
+    earlier_sources = jnp.sum(jnp.where(jnp.arange(plan.num_devices)[:, None] < me,
                                         all_counts, 0), axis=0)
-    rank_in_source = expert_exchange.bucket_positions(expert, layer.num_experts)
-    safe_expert = jnp.minimum(expert, layer.num_experts - 1)
+    rank_in_source = row_permutation.bucket_positions(expert, plan.num_experts)
+    safe_expert = jnp.minimum(expert, plan.num_experts - 1)
     global_index = earlier_sources[safe_expert] + rank_in_source
     segment_ends = jnp.cumsum(assignment, axis=1)[safe_expert]  # [S, D]
     destination = jnp.sum(global_index[:, None] >= segment_ends, axis=1).astype(jnp.int32)
-    destination = jnp.where(valid, destination, layer.num_devices)
+    destination = jnp.where(valid, destination, plan.num_devices)
 
-    local = layer.experts_per_device
-    foreign = llep_plan.foreign_experts(assignment, layer.max_foreign_experts)
-    if layer.max_foreign_experts:
-        hosted = foreign[jnp.minimum(destination, layer.num_devices - 1)] == safe_expert[:, None]
+    local = plan.experts_per_device
+    foreign = llep_plan.foreign_experts(assignment, plan.max_foreign_experts)
+    if plan.max_foreign_experts:
+        hosted = foreign[jnp.minimum(destination, plan.num_devices - 1)] == safe_expert[:, None]
         foreign_slot = jnp.argmax(hosted, axis=1).astype(jnp.int32)
     else:
         foreign_slot = jnp.zeros_like(destination)
     at_home = destination == safe_expert // local
     group = jnp.where(at_home, safe_expert % local, local + foreign_slot)
     shape = expert_ids.shape
-    return _Routes(destination.reshape(shape), group.reshape(shape), foreign,
-                   ~valid.reshape(shape).all(axis=1))
+    return _SlotPlan(destination.reshape(shape), group.reshape(shape), foreign,
+                     ~valid.reshape(shape).all(axis=1))
 
 
 # ----------------------------------------------------------------------------------------------
 # Expert-weight migration.
 
 
-def _migrate_weights(layer: _Layer, foreign: jax.Array, weights):
+def _migrate_weights(plan: _MoEPlan, foreign: jax.Array, weights):
     """This device's local experts followed by the foreign experts it hosts: [G, ...] each.
 
     Shift s sends to device me + s the foreign experts it hosts that this device owns (zeros
     elsewhere); D - 1 ppermutes of ``max_foreign_experts`` experts each. Their transposes carry
     the foreign copies' gradients back to the owners.
     """
-    if not layer.max_foreign_experts:
+    if not plan.max_foreign_experts:
         return weights
-    me = lax.axis_index(layer.axis_name)
-    local = layer.experts_per_device
-    received = [jnp.zeros((layer.max_foreign_experts, *w.shape[1:]), w.dtype) for w in weights]
-    for shift in range(1, layer.num_devices):
-        wanted = foreign[(me + shift) % layer.num_devices]  # [max_foreign] expert ids
+    me = lax.axis_index(plan.axis_name)
+    local = plan.experts_per_device
+    received = [jnp.zeros((plan.max_foreign_experts, *w.shape[1:]), w.dtype) for w in weights]
+    for shift in range(1, plan.num_devices):
+        wanted = foreign[(me + shift) % plan.num_devices]  # [max_foreign] expert ids
         mine = (wanted >= 0) & (wanted // local == me)
         # A device hosts an expert at most once, so the picks are one-to-one: a gather both
         # ways (the slots not picked read an out-of-range row, zeros).
         index = jnp.where(mine, wanted % local, local).astype(jnp.int32)
         inverse = row_permutation.inverse_map(index, local)
-        perm = [(d, (d + shift) % layer.num_devices) for d in range(layer.num_devices)]
+        perm = [(d, (d + shift) % plan.num_devices) for d in range(plan.num_devices)]
         for i, w in enumerate(weights):
             outgoing = row_permutation.gather_rows(w, index, inverse)
-            received[i] = received[i] + lax.ppermute(outgoing, layer.axis_name, perm)
+            received[i] = received[i] + lax.ppermute(outgoing, plan.axis_name, perm)
     return tuple(jnp.concatenate([w, r]) for w, r in zip(weights, received))
 
 
@@ -312,12 +398,21 @@ def _migrate_weights(layer: _Layer, foreign: jax.Array, weights):
 # Chunks.
 
 
-def _chunk_layout(layer: _Layer) -> tuple[np.ndarray, np.ndarray]:
+class _Chunks(NamedTuple):
+    """The chunked per-token inputs, [K, c, ...] each (token N pads the last chunk)."""
+
+    x: jax.Array            # [K, c, H]
+    gates: jax.Array        # [K, c, k]
+    destination: jax.Array  # [K, c, k] device of each slot (D: not sent)
+    group: jax.Array        # [K, c, k] expert group of each slot on that device
+
+
+def _chunk_layout(plan: _MoEPlan) -> tuple[np.ndarray, np.ndarray]:
     """Static token indices of each chunk ``[K, c]`` (N pads) and each token's place in the
     flattened chunks ``[N]``."""
-    num_chunks, chunk_tokens, num_tokens = layer.num_chunks, layer.chunk_tokens, layer.num_tokens
+    num_chunks, chunk_tokens, num_tokens = plan.num_chunks, plan.chunk_tokens, plan.num_tokens
     slots = np.arange(num_chunks * chunk_tokens)
-    if layer.membership == "strided":
+    if plan.membership == "strided":
         # chunk i, position p holds token i + p*K
         tokens = (slots % chunk_tokens) * num_chunks + slots // chunk_tokens
     else:
@@ -329,183 +424,218 @@ def _chunk_layout(layer: _Layer) -> tuple[np.ndarray, np.ndarray]:
     return tokens, place
 
 
-def _expert_ffn(rows, group, weights, num_groups: int, expected_rows: int):
-    """SwiGLU of each row with its group's expert: rows [M, H], group [M] in [0, G] (G: none);
-    ``expected_rows``: how many usually have a group (``_Layer.expected_rows``)."""
+class _Dispatched(NamedTuple):
+    """A chunk's rows on the devices that process them."""
+
+    rows: jax.Array   # [M, H] received rows
+    group: jax.Array  # [M] their expert groups (G: empty row)
+    routes: Any       # the exchange's routes of the chunk
+
+
+def _dispatch_chunk(plan: _MoEPlan, chunks: _Chunks, i) -> _Dispatched:
+    """Chunk i's slots sent: each token's row once per slot (slot (n, j) at row n*k + j), and
+    each slot's group."""
+    routes = plan.exchange.routes(chunks.destination[i].reshape(-1), plan.num_devices,
+                                  plan.axis_name)
+    rows = plan.exchange.send(jnp.repeat(chunks.x[i], plan.top_k, axis=0), routes,
+                              plan.axis_name)
+    group = plan.exchange.send(chunks.group[i].reshape(-1), routes, plan.axis_name,
+                               fill=plan.num_groups)
+    return _Dispatched(rows, group, routes)
+
+
+def _combine_rows(plan: _MoEPlan, processed, routes):
+    """Rows ``processed [M, ...]`` back at their slots: ``[S, ...]``, 0 for slots not sent.
+    The transpose of the dispatch's send, so backward sends cotangents home with it too."""
+    return plan.exchange.combine(processed, routes, plan.axis_name)
+
+
+def _tokens_cotangent(plan: _MoEPlan, d_received, routes, dtype):
+    """The transpose of sending each token's row once per slot, applied to ``d_received
+    [M, H]``: ``[c, H]``, each token's k slots summed in fp32."""
+    d_slots = _combine_rows(plan, d_received, routes)
+    d_slots = d_slots.reshape(-1, plan.top_k, d_received.shape[1])
+    return jnp.sum(d_slots, axis=1, dtype=jnp.float32).astype(dtype)
+
+
+def _expert_ffn(plan: _MoEPlan, rows, group, weights):
+    """SwiGLU of each row with its group's expert: rows [M, H], group [M] in [0, G] (G: none)."""
     w_gate, w_up, w_down = weights
     num_rows = rows.shape[0]
     order = jnp.argsort(group, stable=True).astype(jnp.int32)
-    sizes = jnp.zeros(num_groups + 1, jnp.int32).at[group].add(1)[:num_groups]
+    sizes = jnp.zeros(plan.num_groups + 1, jnp.int32).at[group].add(1)[:plan.num_groups]
     # Sorted into a buffer whose length the grouped matmul takes without a padded copy; the
     # extra rows (index num_rows: out of range) are zeros past every group.
-    alignment = grouped_matmul.row_alignment()
-    extra = -num_rows % alignment
+    extra = -num_rows % plan.matmul.row_alignment
     if extra:
         order = jnp.concatenate([order, jnp.full(extra, num_rows, order.dtype)])
     place = row_permutation.inverse_map(order, num_rows)  # each row's place in sorted order
     sorted_rows = row_permutation.gather_rows(rows, order, place)
-    matmul = functools.partial(grouped_matmul.grouped_matmul, group_sizes=sizes,
-                               expected_rows=expected_rows)
+
+    def matmul(lhs, rhs):
+        return plan.matmul(lhs, rhs, sizes, expected_rows=plan.expected_rows)
+
     hidden = jax.nn.silu(matmul(sorted_rows, w_gate)) * matmul(sorted_rows, w_up)
     out = matmul(hidden.astype(rows.dtype), w_down)
     return row_permutation.gather_rows(out.astype(rows.dtype), place, order)
 
 
-def _chunk_routes(layer: _Layer, destination):
-    """Where a chunk's slots go (``destination [c, k]``), computed once per chunk for every
-    exchange of it: the padded buckets' maps, or the ragged form's offsets and sizes."""
-    destination = destination.reshape(-1)
-    if layer.exchange == "ragged":
-        return expert_exchange.ragged_routes(destination, layer.num_devices, layer.axis_name)
-    return expert_exchange.padded_routes(destination, layer.num_devices)
-
-
-def _send(layer: _Layer, rows, routes, fill=0):
-    """The slots' ``rows [S, ...]`` on the devices that process them: ``[D * S, ...]``. Linear in
-    ``rows``; its transpose is ``_return``."""
-    devices, axis = layer.num_devices, layer.axis_name
-    if layer.exchange == "ragged":
-        return expert_exchange.dispatch(rows, routes, devices, axis, fill=fill)
-    sent = expert_exchange.pack(rows, routes, fill=fill)
-    return expert_exchange.exchange(sent, axis).reshape(-1, *rows.shape[1:])
-
-
-def _return(layer: _Layer, processed, routes):
-    """Rows ``processed [D * S, ...]`` back at their slots: ``[S, ...]``, 0 for slots not sent.
-    The transpose of ``_send`` (the rows it filled get nothing), so backward sends cotangents
-    home with it instead of transposing ``_send``."""
-    if layer.exchange == "ragged":
-        return expert_exchange.combine(processed, routes, routes.num_slots, layer.axis_name)
-    returned = expert_exchange.exchange(
-        processed.reshape(layer.num_devices, routes.num_slots, *processed.shape[1:]),
-        layer.axis_name)
-    return expert_exchange.unpack(returned, routes)
-
-
-def _send_tokens(layer: _Layer, x_chunk, routes):
-    """Each token's row, once per slot (slot (n, j) at row n*k + j), sent: [D * S, H]."""
-    return _send(layer, jnp.repeat(x_chunk, layer.top_k, axis=0), routes)
-
-
-def _tokens_cotangent(layer: _Layer, d_received, routes, dtype):
-    """The transpose of ``_send_tokens``, applied to ``d_received [D * S, H]``: ``[c, H]``, each
-    token's k slots summed in fp32."""
-    d_slots = _return(layer, d_received, routes)
-    d_slots = d_slots.reshape(-1, layer.top_k, d_received.shape[1])
-    return jnp.sum(d_slots, axis=1, dtype=jnp.float32).astype(dtype)
-
-
-def _dispatch(layer: _Layer, chunks, i):
-    """Chunk i's dispatch: (received rows [D * S, H], their groups [D * S], routes).
-    ``chunks``: the chunked (x, gates, destination, group)."""
-    x_chunks, _, destination_chunks, group_chunks = chunks
-    routes = _chunk_routes(layer, destination_chunks[i])
-    rows = _send_tokens(layer, x_chunks[i], routes)
-    groups = _send(layer, group_chunks[i].reshape(-1), routes, fill=layer.num_groups)
-    return rows, groups, routes
-
-
-def _process(layer: _Layer, weights, received, received_group, routes, gates_chunk):
+def _process_chunk(plan: _MoEPlan, weights, dispatched: _Dispatched, gates_chunk):
     """A dispatched chunk's grouped SwiGLU, combine back home, and gate-weighted sum: [c, H]."""
-    processed = _expert_ffn(received, received_group, weights, layer.num_groups,
-                            layer.expected_rows)
-    slot_out = _return(layer, processed, routes)
-    slot_out = slot_out.reshape(-1, layer.top_k, received.shape[1]).astype(jnp.float32)
+    rows = dispatched.rows
+    processed = _expert_ffn(plan, rows, dispatched.group, weights)
+    slot_out = _combine_rows(plan, processed, dispatched.routes)
+    slot_out = slot_out.reshape(-1, plan.top_k, rows.shape[1]).astype(jnp.float32)
     combined = jnp.einsum("ck,ckh->ch", gates_chunk.astype(jnp.float32), slot_out)
-    return combined.astype(received.dtype)
+    return combined.astype(rows.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _run_chunks(layer: _Layer, weights, x_chunks, gate_chunks, destination_chunks,
-                group_chunks):
+def _run_chunks(plan: _MoEPlan, weights, chunks: _Chunks):
     """``[K, c, H]``: every chunk's output, in a software-pipelined scan.
 
     Step i issues chunk i+1's dispatch before chunk i's expert matmuls; the two do not depend on
     each other, so the all-to-all can run under the matmuls. Two chunks' receive buffers are then
-    live (the one carried in, the one arriving). The custom VJP keeps only the inputs: autodiff
-    of a scan would save every carried receive buffer, the whole dispatch; backward instead
-    re-dispatches and recomputes chunk by chunk, pipelined the same way in reverse.
+    live (the one carried in, the one arriving). The custom VJP keeps only the inputs (module
+    doc); backward re-dispatches and recomputes chunk by chunk, pipelined the same way in
+    reverse.
     """
-    chunks = (x_chunks, gate_chunks, destination_chunks, group_chunks)
+    def step(dispatched, i):
+        upcoming = _dispatch_chunk(plan, chunks, i + 1)  # issued before this chunk's matmuls
+        return upcoming, _process_chunk(plan, weights, dispatched, chunks.gates[i])
 
-    def process(i, sent):
-        received, received_group, routes = sent
-        return _process(layer, weights, received, received_group, routes, gate_chunks[i])
-
-    def step(sent, i):
-        upcoming = _dispatch(layer, chunks, i + 1)  # issued before this chunk's matmuls
-        return upcoming, process(i, sent)
-
-    last = layer.num_chunks - 1
-    sent, outputs = lax.scan(step, _dispatch(layer, chunks, 0), jnp.arange(last))
-    return jnp.concatenate([outputs, process(last, sent)[None]])
+    last = plan.num_chunks - 1
+    dispatched, outputs = lax.scan(step, _dispatch_chunk(plan, chunks, 0), jnp.arange(last))
+    final = _process_chunk(plan, weights, dispatched, chunks.gates[last])
+    return jnp.concatenate([outputs, final[None]])
 
 
-def _run_chunks_fwd(layer, weights, x_chunks, gate_chunks, destination_chunks, group_chunks):
-    residuals = (weights, x_chunks, gate_chunks, destination_chunks, group_chunks)
-    return _run_chunks(layer, *residuals), residuals
+def _run_chunks_fwd(plan, weights, chunks):
+    return _run_chunks(plan, weights, chunks), (weights, chunks)
 
 
-def _run_chunks_bwd(layer, residuals, d_outputs):
-    weights, *chunks = residuals
-    x_chunks, gate_chunks, _, _ = chunks
+def _run_chunks_bwd(plan, residuals, d_outputs):
+    weights, chunks = residuals
 
-    def chunk_grads(i, sent):
+    def chunk_grads(i, dispatched: _Dispatched):
         """Chunk i recomputed from its dispatch, and differentiated: (dW, dx, d_gates)."""
-        received, received_group, routes = sent
-
         def process(w, rows, gates):
-            return _process(layer, w, rows, received_group, routes, gates)
+            return _process_chunk(plan, w, dispatched._replace(rows=rows), gates)
 
-        _, vjp = jax.vjp(process, weights, received, gate_chunks[i])
+        _, vjp = jax.vjp(process, weights, dispatched.rows, chunks.gates[i])
         d_w, d_received, d_gates = vjp(d_outputs[i])
-        d_x = _tokens_cotangent(layer, d_received, routes, x_chunks.dtype)
+        d_x = _tokens_cotangent(plan, d_received, dispatched.routes, chunks.x.dtype)
         return d_w, d_x, d_gates
 
     def accumulate(total, d_w):  # the chunks' weight gradients sum in fp32
         return jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), total, d_w)
 
     def step(carry, i):  # i = K-2, ..., 1
-        sent, d_weights = carry
-        upcoming = _dispatch(layer, chunks, i - 1)  # issued before this chunk's recompute
-        d_w, d_x, d_gates = chunk_grads(i, sent)
+        dispatched, d_weights = carry
+        upcoming = _dispatch_chunk(plan, chunks, i - 1)  # issued before this chunk's recompute
+        d_w, d_x, d_gates = chunk_grads(i, dispatched)
         return (upcoming, accumulate(d_weights, d_w)), (d_x, d_gates)
 
-    last = layer.num_chunks - 1
-    sent = _dispatch(layer, chunks, last)
+    def chunks_cotangent(d_x, d_gates):  # no cotangent for the integer routing
+        return _Chunks(x=d_x, gates=d_gates, destination=None, group=None)
+
+    last = plan.num_chunks - 1
+    dispatched = _dispatch_chunk(plan, chunks, last)
     if last == 0:
-        d_weights, d_x, d_gates = chunk_grads(0, sent)
-        return d_weights, d_x[None], d_gates[None], None, None
+        d_weights, d_x, d_gates = chunk_grads(0, dispatched)
+        return d_weights, chunks_cotangent(d_x[None], d_gates[None])
     # The last chunk starts the sum (no zero-filled accumulator to write and add: one pass over
     # the G experts' fp32 gradients fewer).
-    upcoming = _dispatch(layer, chunks, last - 1)
-    d_w, d_x_last, d_gates_last = chunk_grads(last, sent)
+    upcoming = _dispatch_chunk(plan, chunks, last - 1)
+    d_w, d_x_last, d_gates_last = chunk_grads(last, dispatched)
     d_weights = jax.tree.map(lambda g: g.astype(jnp.float32), d_w)
-    (sent, d_weights), (d_x, d_gates) = lax.scan(
+    (dispatched, d_weights), (d_x, d_gates) = lax.scan(
         step, (upcoming, d_weights), jnp.arange(1, last), reverse=True)
-    d_w, d_x0, d_gates0 = chunk_grads(0, sent)
+    d_w, d_x0, d_gates0 = chunk_grads(0, dispatched)
     d_weights = jax.tree.map(lambda g, w: g.astype(w.dtype), accumulate(d_weights, d_w),
                              weights)
-    return (d_weights, jnp.concatenate([d_x0[None], d_x, d_x_last[None]]),
-            jnp.concatenate([d_gates0[None], d_gates, d_gates_last[None]]), None, None)
+    return d_weights, chunks_cotangent(
+        jnp.concatenate([d_x0[None], d_x, d_x_last[None]]),
+        jnp.concatenate([d_gates0[None], d_gates, d_gates_last[None]]))
 
 
 _run_chunks.defvjp(_run_chunks_fwd, _run_chunks_bwd)
 
 
-def _pipelined_moe(layer: _Layer, x, expert_ids, gates, w_gate, w_up, w_down):
-    routes = _route_slots(layer, expert_ids)
-    weights = _migrate_weights(layer, routes.foreign, (w_gate, w_up, w_down))
-    tokens, place = _chunk_layout(layer)
-    tokens, place = jnp.asarray(tokens.reshape(-1), jnp.int32), jnp.asarray(place, jnp.int32)
-    num_chunks = layer.num_chunks
+# ----------------------------------------------------------------------------------------------
+# The memory bound, term by term (per device; the planner composes these).
 
-    def chunked(a, fill):  # [K, c, ...]; token N (out of range) pads the last chunk
-        return row_permutation.gather_rows(a, tokens, place, fill).reshape(
-            num_chunks, -1, *a.shape[1:])
+MEMORY_FORMULAS: dict[str, str] = {
+    "dispatch": "8 * M * H * b + M * H * 4: backward's rows of width H, per chunk: the "
+                "received rows and their sorted copy, the next chunk's send buckets and "
+                "arrival, the rows' cotangents on their way home, and the fp32 cotangent of the "
+                "down projection; one chunk (K = 1) has no next chunk: 6 * M * H * b + M * H * 4",
+    "expert_ffn": "5 * M * F * 4 + M * F * b: backward's recomputed gate and up projections, "
+                  "the cotangent of their product and theirs (fp32), the product in x's dtype",
+    "weights": "2 * 3 * G * H * F * b + 3 * G * H * F * 4: local and foreign experts side by "
+               "side and their gradients, and backward's fp32 sum of the chunks' gradients",
+    "tokens": "3 * N * H * b: the chunked copies of x and y and the output's gather",
+    "routing": "4 * N * k * (12 + D + G_f): int32 slot metadata (destination, group, chunked "
+               "copies, sort orders) and the [S, D] and [S, G_f] lookups of the plan",
+    "mosaic_head_rows": "R * H * b on the Mosaic path: the grouped matmul's copy of the first "
+                        "R = roundup(max(lambda, alpha) * k * c, 128) sorted rows",
+    "xla_dense_expansion": "6 * G * M * (H + F) * 4 on the XLA path: lax.ragged_dot's dense "
+                           "lowering, [G, M, K] masked operands and [G, M, N] products, one "
+                           "chunk at a time",
+}
 
-    y_chunks = _run_chunks(layer, weights, chunked(x, 0), chunked(gates, 0),
-                           chunked(routes.destination, layer.num_devices),
-                           chunked(routes.group, layer.num_groups))
-    y = row_permutation.gather_rows(y_chunks.reshape(-1, x.shape[1]), place, tokens)
-    return jnp.where(routes.invalid_token[:, None], jnp.nan, y).astype(x.dtype)
+
+def pipelined_moe_memory_terms(*, num_tokens: int, hidden: int, ffn: int, top_k: int,
+                               num_experts: int, num_devices: int,
+                               token_budget: int | None = None, max_chunks: int = 10,
+                               balance: str = "llep",
+                               max_foreign_experts: int | None = None,
+                               llep_threshold: float = LLEPConfig.threshold,
+                               llep_capacity: float = LLEPConfig.capacity,
+                               dtype: Any = "bfloat16",
+                               grouped_matmul: str = "mosaic") -> dict[str, int]:
+    """Per-device bytes of each term of the layer's bound (``MEMORY_FORMULAS``), for one
+    forward + backward with the padded exchange, beyond its inputs, outputs and their
+    gradients. Arguments as ``pipelined_moe``'s (num_tokens = N per rank, dtype = x's);
+    ``grouped_matmul``: ``"mosaic"`` or ``"xla"``, the path the devices take. A term that does
+    not apply is 0."""
+    num_chunks = _num_chunks(num_tokens, token_budget, max_chunks)
+    llep = _checked_llep(LLEPConfig(threshold=llep_threshold, capacity=llep_capacity,
+                                    max_foreign_experts=max_foreign_experts),
+                         balance, num_experts, num_devices)
+    if grouped_matmul not in grouped_matmul_module.IMPLEMENTATIONS:
+        raise ValueError(f"grouped_matmul: expected one of "
+                         f"{grouped_matmul_module.IMPLEMENTATIONS}, got {grouped_matmul!r}")
+    b = jnp.dtype(dtype).itemsize
+    chunk_tokens = math.ceil(num_tokens / num_chunks)
+    rows = num_devices * top_k * chunk_tokens  # M
+    foreign = llep.max_foreign_experts
+    groups = num_experts // num_devices + foreign  # G
+    terms = {
+        "dispatch": (8 if num_chunks > 1 else 6) * rows * hidden * b + rows * hidden * 4,
+        "expert_ffn": 5 * rows * ffn * 4 + rows * ffn * b,
+        "weights": 2 * 3 * groups * hidden * ffn * b + 3 * groups * hidden * ffn * 4,
+        "tokens": 3 * num_tokens * hidden * b,
+        "routing": 4 * num_tokens * top_k * (12 + num_devices + foreign),
+        "mosaic_head_rows": 0,
+        "xla_dense_expansion": 0,
+    }
+    if grouped_matmul == "mosaic":
+        alignment = grouped_matmul_module.ROW_ALIGNMENT
+        aligned = -(-rows // alignment) * alignment
+        head = -(-_expected_rows(llep, top_k, chunk_tokens) // alignment) * alignment
+        terms["mosaic_head_rows"] = head * hidden * b if head < aligned else 0
+    else:
+        terms["xla_dense_expansion"] = 6 * groups * rows * (hidden + ffn) * 4
+    return terms
+
+
+def unchunked_moe_memory_terms(*, num_tokens: int, hidden: int, ffn: int, top_k: int,
+                               num_experts: int, num_devices: int, balance: str = "none",
+                               **options) -> dict[str, int]:
+    """The same terms for the layer without a token budget (one chunk: c = N): plain expert
+    parallelism (``balance="none"``) or unchunked LLEP, whose receive buffers must hold the
+    worst routing, D * k * N rows. The baseline a planner compares the budgeted layer with."""
+    return pipelined_moe_memory_terms(
+        num_tokens=num_tokens, hidden=hidden, ffn=ffn, top_k=top_k, num_experts=num_experts,
+        num_devices=num_devices, token_budget=None, balance=balance, **options)

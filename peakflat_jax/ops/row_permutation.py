@@ -3,11 +3,10 @@
 The MoE layer moves whole rows (7168 bf16 values each) between orders several times per chunk:
 into expert order, out of it, into send buckets, back home. Written as scatters
 (``zeros.at[order].set(rows)``), each one costs a pass that fills the output, the scatter, and
-under autodiff a mask of the output's size. Its transpose is a scatter-add as well. On 2 H200s
-the layer's scatters were the largest kernels after the grouped matmuls: 140 ms of a 718 ms step
-(``scripts/results/trace_summary_70e20c6_*.json``). A one-to-one map is a gather
-whose transpose is another gather, by the inverse map; ``gather_rows`` states that as a custom
-VJP, so neither direction scatters rows.
+under autodiff a mask of the output's size. Its transpose is a scatter-add as well. On GPUs
+the layer's scatters were the largest kernels after the grouped matmuls. A one-to-one map is a
+gather whose transpose is another gather, by the inverse map; ``gather_rows`` states that as a
+custom VJP, so neither direction scatters rows.
 
     y = gather_rows(x, index, inverse, fill)
 
@@ -19,7 +18,10 @@ VJP, so neither direction scatters rows.
   and the layer's maps through its values and gradients against the float64 reference.
 
 The index maps themselves are built with integer scatters over the rows' positions: one int32
-per row, not one row. The custom VJP has no forward-mode rule: ``jax.jvp`` through it raises.
+per row, not one row (``inverse_map``, ``bucket_positions``). The custom VJP has no forward-mode
+rule: ``jax.jvp`` through it raises.
+
+Measured: docs/pipelined_moe.md.
 """
 
 from __future__ import annotations
@@ -50,6 +52,17 @@ def inverse_map(index: jax.Array, num_rows: int) -> jax.Array:
     positions = jnp.arange(index.shape[0], dtype=jnp.int32)
     return jnp.full(num_rows, index.shape[0], jnp.int32).at[index].set(
         positions, mode="drop", wrap_negative_indices=False)
+
+
+def bucket_positions(bucket: jax.Array, num_buckets: int) -> jax.Array:
+    """Each entry's place among the entries of its bucket, in entry order: ``bucket [S]`` in
+    ``[0, num_buckets]`` (``num_buckets`` itself is a bucket too, e.g. "not sent")."""
+    order = jnp.argsort(bucket, stable=True)
+    sorted_bucket = bucket[order]
+    counts = jnp.zeros(num_buckets + 1, jnp.int32).at[bucket].add(1)
+    starts = jnp.cumsum(counts) - counts
+    positions_sorted = jnp.arange(bucket.shape[0]) - starts[sorted_bucket]
+    return jnp.zeros_like(bucket).at[order].set(positions_sorted)
 
 
 def _take(rows, index, fill):

@@ -138,6 +138,27 @@ class HostBudget:
             raise ValueError(f"HostBudget.bytes: expected a non-negative int, got {self.bytes!r}")
 
 
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class PerLayer:
+    """Layer parameters given as one pytree per layer instead of stacked along a leading axis.
+
+    With stacked parameters every layer's slice comes from one array, which exists only once
+    all layers' parameters do. A program that computes each layer's parameters itself (the
+    trainer updating them from host-resident optimizer state inside the step) passes them
+    per layer, so that layer l waits for its own parameters only. The cotangent is a PerLayer
+    too."""
+
+    layers: tuple
+
+    def tree_flatten(self):
+        return tuple(self.layers), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(tuple(children))
+
+
 def host_memory_bytes() -> int:
     """Physical memory of this host (the ceiling for pinned host buffers)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -176,8 +197,8 @@ def offload_plan(offload, num_layers: int, boundary_bytes: int) -> tuple[bool, .
 
 def sco_scan(layer_fn: Callable, carry, stacked_params, *, offload):
     """``lax.scan`` of the checkpointed ``layer_fn(carry, params_l) -> carry`` over the leading
-    layer axis of ``stacked_params``, with the boundaries chosen by ``offload`` kept in host
-    memory.
+    layer axis of ``stacked_params`` (or over the layers of a ``PerLayer``), with the
+    boundaries chosen by ``offload`` kept in host memory.
 
     ``carry``: an array or a pytree of arrays; ``layer_fn`` returns the same structure, shapes
     and dtypes. Its inexact leaves are the boundary that ``offload`` moves; integer and bool
@@ -192,13 +213,21 @@ def sco_scan(layer_fn: Callable, carry, stacked_params, *, offload):
     boundaries to host: the barriers that order the copies keep XLA from dropping the first
     run's, which nothing reads.
     """
-    leaves = jax.tree.leaves(stacked_params)
-    if not leaves:
-        raise ValueError("stacked_params: expected at least one array with a leading layer axis")
-    num_layers = leaves[0].shape[0]
-    if any(leaf.ndim < 1 or leaf.shape[0] != num_layers for leaf in leaves):
-        raise ValueError(f"stacked_params: every leaf needs the same leading layer axis, got "
-                         f"{[leaf.shape for leaf in leaves]}")
+    if isinstance(stacked_params, PerLayer):
+        num_layers = len(stacked_params.layers)
+        structures = {jax.tree.structure(p) for p in stacked_params.layers}
+        if len(structures) > 1:
+            raise ValueError(f"stacked_params: expected every layer of a PerLayer to have one "
+                             f"structure, got {structures}")
+    else:
+        leaves = jax.tree.leaves(stacked_params)
+        if not leaves:
+            raise ValueError("stacked_params: expected at least one array with a leading layer "
+                             "axis")
+        num_layers = leaves[0].shape[0]
+        if any(leaf.ndim < 1 or leaf.shape[0] != num_layers for leaf in leaves):
+            raise ValueError(f"stacked_params: every leaf needs the same leading layer axis, "
+                             f"got {[leaf.shape for leaf in leaves]}")
     carry_leaves = jax.tree.leaves(carry)
     if not carry_leaves or not all(hasattr(leaf, "shape") and hasattr(leaf, "dtype")
                                    for leaf in carry_leaves):
@@ -217,7 +246,18 @@ def sco_scan(layer_fn: Callable, carry, stacked_params, *, offload):
 
 
 def _layer_params(stacked_params, layer: int):
+    if isinstance(stacked_params, PerLayer):
+        return stacked_params.layers[layer]
     return jax.tree.map(lambda leaf: leaf[layer], stacked_params)
+
+
+def _own_params(stacked_params, layer: int):
+    """What layer ``layer``'s barriers tie: all stacked params (their slice is taken after the
+    barrier), or only the layer's own pytree of a PerLayer."""
+    if isinstance(stacked_params, PerLayer):
+        return PerLayer(tuple(p if i == layer else None
+                              for i, p in enumerate(stacked_params.layers)))
+    return stacked_params
 
 
 def _is_inexact(leaf) -> bool:
@@ -244,7 +284,7 @@ def _sco_scan_fwd(layer_fn, chosen, carry, stacked_params):
         # depend on nothing but the parameters, are free to run early, and XLA kept every
         # layer's slice alive from forward to backward (XLA:CPU: one layer's parameters of
         # temporaries per layer).
-        carry, params = lax.optimization_barrier((carry, stacked_params))
+        carry, params = lax.optimization_barrier((carry, _own_params(stacked_params, layer)))
         carry_next = layer_fn(carry, _layer_params(params, layer))
         if to_host:
             # The copy runs while this layer computes and must be done before the next layer
@@ -287,29 +327,49 @@ def _sco_scan_bwd(layer_fn, chosen, residuals, d_carry):
     # layer slices its parameters only after the barrier below. Stacking per-layer gradients
     # at the end, or slicing before the barrier, let XLA keep all L layers' copies alive:
     # one layer's parameters of temporaries per layer (XLA:CPU, each fix alone not enough).
-    # Integer leaves (token ids, say) have float0 cotangents: nothing to write.
-    leaves, treedef = jax.tree.flatten(stacked_params)
+    # Integer leaves (token ids, say) have float0 cotangents: nothing to write. PerLayer
+    # params get per-layer gradients, each written once.
+    per_layer = isinstance(stacked_params, PerLayer)
+    layer_tree = _layer_params(stacked_params, 0)
+    leaves, treedef = jax.tree.flatten(layer_tree if per_layer else stacked_params)
     inexact = [i for i, leaf in enumerate(leaves) if _is_inexact(leaf)]
-    d_stacked = [jnp.zeros_like(leaves[i]) for i in inexact]
+    d_stacked = [] if per_layer else [jnp.zeros_like(leaves[i]) for i in inexact]
+    d_layers = [None] * num_layers
     d_inexact = inexact_part(d_carry)
     incoming = restore(num_layers - 1, d_inexact)
     for layer in reversed(range(num_layers)):
         # Layer l's recompute waits for all of layer l + 1's backward: its input cotangent and
         # its parameter gradients. Untied, XLA deferred each layer's weight-gradient matmuls to
         # the end and kept their inputs, several layers' activations, alive (seen on an H200).
-        carry_in, d_inexact, d_stacked, params = lax.optimization_barrier(
-            (incoming, d_inexact, d_stacked, stacked_params))
+        done = d_stacked if not per_layer else (d_layers[layer + 1] if layer + 1 < num_layers
+                                                 else [])
+        carry_in, d_inexact, done, params = lax.optimization_barrier(
+            (incoming, d_inexact, done, _own_params(stacked_params, layer)))
+        if per_layer:
+            if layer + 1 < num_layers:
+                d_layers[layer + 1] = done
+        else:
+            d_stacked = done
         if layer > 0:
             incoming = restore(layer - 1, d_inexact)  # overlaps this layer's recompute and bwd
         _, vjp = jax.vjp(layer_fn, carry_in, _layer_params(params, layer))
         d_carry, d_layer = vjp(full_cotangent(d_inexact))
         d_inexact = inexact_part(d_carry)
         d_layer = treedef.flatten_up_to(d_layer)
-        d_stacked = [stack.at[layer].set(d_layer[i]) for stack, i in zip(d_stacked, inexact)]
-    d_leaves = [np.zeros(leaf.shape, jax.dtypes.float0) for leaf in leaves]
-    for i, stack in zip(inexact, d_stacked):
-        d_leaves[i] = stack
-    return full_cotangent(d_inexact), treedef.unflatten(d_leaves)
+        if per_layer:
+            d_layers[layer] = [d_layer[i] for i in inexact]
+        else:
+            d_stacked = [stack.at[layer].set(d_layer[i]) for stack, i in zip(d_stacked, inexact)]
+
+    def cotangent_tree(inexact_grads):
+        d_leaves = [np.zeros(leaf.shape, jax.dtypes.float0) for leaf in leaves]
+        for i, grad in zip(inexact, inexact_grads):
+            d_leaves[i] = grad
+        return treedef.unflatten(d_leaves)
+
+    if per_layer:
+        return full_cotangent(d_inexact), PerLayer(tuple(cotangent_tree(d) for d in d_layers))
+    return full_cotangent(d_inexact), cotangent_tree(d_stacked)
 
 
 _sco_scan.defvjp(_sco_scan_fwd, _sco_scan_bwd)

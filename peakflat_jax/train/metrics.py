@@ -89,14 +89,16 @@ class MetricsWriter:
 
 
 class Progress:
-    """A tqdm bar on a terminal; plain log lines elsewhere (CI logs, pipes)."""
+    """Process 0's terminal output: a tqdm bar on a terminal, a line every few seconds
+    elsewhere (CI logs, pipes); neither with ``enabled=False``. ``write`` (the banner, the
+    summary, warnings) always prints."""
 
     def __init__(self, total: int, initial: int, *, enabled: bool):
-        self.enabled = enabled and jax.process_index() == 0
-        self.interactive = self.enabled and sys.stderr.isatty()
+        self.main = jax.process_index() == 0
+        self.enabled = enabled and self.main
         self._bar = None
         self._last_line = 0.0
-        if self.interactive:
+        if self.enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
@@ -110,11 +112,9 @@ class Progress:
             self._last_line = time.monotonic()
 
     def write(self, text: str) -> None:
-        if not self.enabled:
-            return
         if self._bar is not None:
             self._bar.write(text)
-        else:
+        elif self.main:
             print(text, file=sys.stderr, flush=True)
 
     def close(self) -> None:

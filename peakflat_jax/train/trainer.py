@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from peakflat_jax import mesh as mop
 from peakflat_jax.config import Config, ConfigError, offload_count, to_dict
@@ -124,6 +126,11 @@ class Trainer:
         else:
             self.optimizer = DeviceAdamW(self.config.optimizer, self.total_steps)
             opt_state = jax.jit(self.optimizer.init)(params)
+            # Scalars (the step count) come out on one device: replicate them over the mesh,
+            # where the step and a checkpoint's restore expect every array.
+            replicated = NamedSharding(self.mesh, P())
+            opt_state = jax.tree.map(lambda a: a if isinstance(a.sharding, NamedSharding)
+                                     else jax.device_put(a, replicated), opt_state)
         return TrainState(params, extras, opt_state, 0)
 
     # -- the compiled programs ------------------------------------------------------------------
@@ -210,8 +217,13 @@ class Trainer:
         return {key: jax.make_array_from_process_local_data(sharding, value)
                 for key, value in local.items()}
 
-    def run(self, *, resume: bool = False, progress: bool | None = None) -> dict:
+    def run(self, *, resume: bool = False, progress: bool | None = None,
+            stop_after: int | None = None) -> dict:
+        """Trains to ``train.steps`` (or stops after step ``stop_after``, as an interrupted run
+        would) and returns the summary."""
         config = self.config
+        last_step = self.total_steps if stop_after is None else min(stop_after,
+                                                                    self.total_steps)
         progress = config.train.progress if progress is None else progress
         checkpoints = ckpt.Checkpoints(self.run_dir / "checkpoints", config)
         state = self.initial_state()
@@ -228,7 +240,7 @@ class Trainer:
         history = []
         compiled = False
         try:
-            while state.step < self.total_steps:
+            while state.step < last_step:
                 batch = self.global_batch(next(self.batches))
                 valid = int(jnp.sum(batch["targets"] != IGNORE))
                 if not compiled:

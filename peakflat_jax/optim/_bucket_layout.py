@@ -1,0 +1,297 @@
+"""Where every parameter of a streamed optimizer's state sits: placement, groups and buckets.
+
+The params' leaves (each device's shards of them, on a mesh) are ordered into groups, and each
+group's leaves, flattened and concatenated, are cut into buckets of at most ``bucket_params``
+elements (a bucket may split a leaf, never a group). Without ``stacked_layers`` there is one
+group, the leaves in tree order. With it, the leaves marked stacked carry a leading layer axis
+``L``: the unmarked leaves form the first group, then layer l's slices of the stacked leaves form
+group 1 + l, in layer order, so that one layer's state can be updated on its own.
+
+A bucket of the state is one global array of ``num_devices * bucket_size`` elements split over
+every mesh axis: a piece per device, each device's piece cut from its own shards.
+
+Everything here is hashable: the layout is the static metadata of the state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from peakflat_jax.optim._elementwise import StateSplit
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A run of one group leaf's flattened elements inside one bucket."""
+
+    leaf: int
+    """Index into the group's leaves."""
+    leaf_start: int
+    bucket_start: int
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the leaves live: a mesh, each leaf's PartitionSpec on it, and the shape of the
+    shard each device holds. Unsharded params live on a one-device mesh, so one code path serves
+    both."""
+
+    mesh: Mesh
+    specs: tuple[P, ...]
+    local_shapes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, leaves) -> Placement:
+        shardings = [getattr(leaf, "sharding", None) for leaf in leaves]
+        if all(isinstance(s, SingleDeviceSharding) for s in shardings):
+            devices = {d for s in shardings for d in s.device_set}
+            if len(devices) != 1:
+                raise ValueError(f"params: expected every leaf on one device or on one mesh, "
+                                 f"got leaves on {len(devices)} devices")
+            mesh = Mesh(np.array(list(devices)), ("device",))
+            return cls(mesh, tuple(P() for _ in leaves),
+                       tuple(tuple(leaf.shape) for leaf in leaves))
+        meshes = {s.mesh for s in shardings if isinstance(s, NamedSharding)}
+        if len(meshes) != 1 or not all(isinstance(s, NamedSharding) for s in shardings):
+            raise ValueError(f"params: expected every leaf to be a NamedSharding on one mesh "
+                             f"(or every leaf on one device), got {sorted(map(str, shardings))}")
+        mesh = meshes.pop()
+        return cls(mesh, tuple(s.spec for s in shardings),
+                   tuple(tuple(s.shard_shape(leaf.shape)) for s, leaf in zip(shardings, leaves)))
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.devices.size
+
+    @property
+    def flat_spec(self) -> P:
+        """The state's spec: one flat axis split over every mesh axis, a piece per device."""
+        return P(tuple(self.mesh.axis_names))
+
+    def state_sharding(self, memory_kind: str) -> NamedSharding:
+        return NamedSharding(self.mesh, self.flat_spec, memory_kind=memory_kind)
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def local(self, fn, in_specs, out_specs, *, rebuilds_leaves: bool = False):
+        """``fn`` on each device's shards (shard_map over the whole mesh).
+
+        ``rebuilds_leaves``: ``fn`` returns shards of leaves from parts of buckets. That needs
+        check_vma=False: the buckets are split over every mesh axis, so the type system sees
+        every piece as varying over all of them, while a leaf replicated over some axes is
+        rebuilt from pieces that are equal on its replicas (each replica applied the same update
+        to the same values). JAX cannot infer that, and making it inferable would take a
+        collective."""
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=not rebuilds_leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Leaves updated together: whole leaves (``layer`` None) or layer ``layer``'s slices of
+    stacked leaves; their flat vector is cut into buckets."""
+
+    leaves: tuple[int, ...]
+    """Indices of the params' leaves (tree order)."""
+    layer: int | None
+    specs: tuple[P, ...]
+    """The group leaves' specs (a stacked leaf's without its layer axis)."""
+    local_shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[Any, ...]
+    first_bucket: int
+    """Index of the group's first bucket in the state."""
+    bucket_sizes: tuple[int, ...]
+    buckets: tuple[tuple[Piece, ...], ...]
+
+    @property
+    def bucket_indices(self) -> range:
+        return range(self.first_bucket, self.first_bucket + len(self.bucket_sizes))
+
+    def gather(self, local_leaves, bucket: int, dtype=jnp.float32) -> jax.Array:
+        """The group's bucket ``bucket`` (its own index) of this device's shards, as
+        ``dtype``."""
+        parts = [local_leaves[p.leaf].reshape(-1)[p.leaf_start:p.leaf_start + p.size]
+                 .astype(dtype) for p in self.buckets[bucket]]
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+    def pieces(self, bucket_array: jax.Array, bucket: int, dtypes=None) -> tuple:
+        """The pieces of this device's part of ``bucket``, each cast to its leaf's dtype (or
+        ``dtypes``'s)."""
+        dtypes = self.dtypes if dtypes is None else dtypes
+        return tuple(bucket_array[p.bucket_start:p.bucket_start + p.size].astype(dtypes[p.leaf])
+                     for p in self.buckets[bucket])
+
+    def assemble(self, pieces_per_bucket, dtypes=None) -> list[jax.Array]:
+        """This device's shards of the group leaves from every bucket's ``pieces``."""
+        dtypes = self.dtypes if dtypes is None else dtypes
+        parts: list[list[tuple[int, jax.Array]]] = [[] for _ in self.leaves]
+        for pieces, layout in zip(pieces_per_bucket, self.buckets):
+            for piece, p in zip(pieces, layout):
+                parts[p.leaf].append((p.leaf_start, piece))
+        leaves = []
+        for shape, dtype, leaf_parts in zip(self.local_shapes, dtypes, parts):
+            if not leaf_parts:  # a leaf of size zero lies in no bucket
+                leaves.append(jnp.zeros(shape, dtype))
+                continue
+            flat = jnp.concatenate([x for _, x in sorted(leaf_parts, key=lambda t: t[0])])
+            leaves.append(flat.reshape(shape))
+        return leaves
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The params' tree and placement, the groups and their buckets, and the split of the
+    transformation's state (which leaves stream)."""
+
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[Any, ...]
+    placement: Placement
+    groups: tuple[Group, ...]
+    state_split: StateSplit
+
+    @classmethod
+    def of(cls, params, bucket_params: int, state_split: StateSplit,
+           stacked_layers=None) -> Layout:
+        leaves, treedef = jax.tree.flatten(params)
+        if not any(math.prod(leaf.shape) for leaf in leaves):
+            raise ValueError("params: expected at least one non-empty array")
+        placement = Placement.of(leaves)
+        stacked = _stacked_flags(stacked_layers, params, leaves, placement)
+        unstacked = tuple(i for i, flag in enumerate(stacked) if not flag)
+        layered = tuple(i for i, flag in enumerate(stacked) if flag)
+        num_layers = leaves[layered[0]].shape[0] if layered else 0
+        groups, first_bucket = [], 0
+        for layer in ([None] if unstacked else []) + list(range(num_layers)):
+            members = unstacked if layer is None else layered
+            cut = (lambda x: x) if layer is None else (lambda x: x[1:])
+            group = _cut_into_buckets(
+                members, layer, tuple(P(*cut(tuple(placement.specs[i]))) for i in members),
+                tuple(tuple(cut(placement.local_shapes[i])) for i in members),
+                tuple(jnp.dtype(leaves[i].dtype) for i in members), first_bucket,
+                bucket_params)
+            groups.append(group)
+            first_bucket += len(group.bucket_sizes)
+        return cls(treedef, tuple(tuple(leaf.shape) for leaf in leaves),
+                   tuple(jnp.dtype(leaf.dtype) for leaf in leaves), placement, tuple(groups),
+                   state_split)
+
+    @property
+    def bucket_sizes(self) -> tuple[int, ...]:
+        return tuple(n for group in self.groups for n in group.bucket_sizes)
+
+    def layer_group(self, layer: int) -> int:
+        """The index of the group of layer ``layer``'s slices (``stacked_layers`` layouts)."""
+        for index, group in enumerate(self.groups):
+            if group.layer == layer:
+                return index
+        raise ValueError(f"layer: expected one of the stacked layers "
+                         f"{[g.layer for g in self.groups if g.layer is not None]}, got {layer}")
+
+    def group_leaves(self, tree, group: int) -> list:
+        """Group ``group``'s leaves of a params-shaped ``tree`` (layer slices for a layer
+        group): what ``update_group`` takes as gradients."""
+        leaves = jax.tree.leaves(tree)
+        chosen = self.groups[group]
+        if chosen.layer is None:
+            return [leaves[i] for i in chosen.leaves]
+        return [leaves[i][chosen.layer] for i in chosen.leaves]
+
+    def merge_groups(self, leaves_per_group) -> list:
+        """The params' leaves (tree order) from every group's leaves: whole leaves taken as
+        they are, layer slices stacked. A stacked leaf of no layer (L = 0) does not occur:
+        stacking needs L >= 1."""
+        whole, slices = {}, {}
+        for group, group_leaves in zip(self.groups, leaves_per_group):
+            for i, leaf in zip(group.leaves, group_leaves):
+                if group.layer is None:
+                    whole[i] = leaf
+                else:
+                    slices.setdefault(i, []).append(leaf)
+        return [whole[i] if i in whole else jnp.stack(slices[i]) for i in range(len(self.shapes))]
+
+    def leaf_shardings(self) -> list[NamedSharding]:
+        return [NamedSharding(self.placement.mesh, spec) for spec in self.placement.specs]
+
+    def state_shapes(self) -> tuple[tuple[int], ...]:
+        return tuple((self.placement.num_devices * n,) for n in self.bucket_sizes)
+
+    def describe(self) -> dict:
+        """What a checkpoint must match to be restored here (JSON): the buckets and groups, the
+        mesh positions and shards whose pieces they hold, and the transformation's state."""
+        mesh = self.placement.mesh
+        split = self.state_split
+        return {"bucket_sizes": list(self.bucket_sizes),
+                "groups": [[None if g.layer is None else g.layer, list(g.leaves),
+                            len(g.bucket_sizes)] for g in self.groups],
+                "treedef": str(self.treedef),
+                "shapes": [list(shape) for shape in self.shapes],
+                "dtypes": [str(dtype) for dtype in self.dtypes],
+                # In order: the state's pieces follow the mesh positions, axis by axis.
+                "mesh": [[str(name), int(size)] for name, size in mesh.shape.items()],
+                "specs": [str(spec) for spec in self.placement.specs],
+                "local_shapes": [list(shape) for shape in self.placement.local_shapes],
+                "transformation_state": str(split.treedef),
+                "streamed_dtypes": [str(dtype) for dtype in split.per_param_dtypes]}
+
+    def __repr__(self) -> str:  # the state's treedef prints it: keep it to a line
+        sizes = self.bucket_sizes
+        return (f"Layout({len(sizes)} buckets of {list(sizes[:4])}"
+                f"{'...' if len(sizes) > 4 else ''} in {len(self.groups)} groups over "
+                f"{len(self.shapes)} leaves, mesh {dict(self.placement.mesh.shape)})")
+
+
+def _cut_into_buckets(members, layer, specs, local_shapes, dtypes, first_bucket,
+                      bucket_params) -> Group:
+    sizes = [math.prod(shape) for shape in local_shapes]
+    total = sum(sizes)
+    bucket_sizes = [min(bucket_params, total - start) for start in range(0, total, bucket_params)]
+    leaf_starts = np.cumsum([0, *sizes])
+    buckets = []
+    for b, bucket_size in enumerate(bucket_sizes):
+        lo, hi = b * bucket_params, b * bucket_params + bucket_size
+        pieces = []
+        for leaf, (start, end) in enumerate(zip(leaf_starts[:-1], leaf_starts[1:])):
+            a, z = max(lo, start), min(hi, end)
+            if a < z:
+                pieces.append(Piece(leaf, int(a - start), int(a - lo), int(z - a)))
+        buckets.append(tuple(pieces))
+    return Group(tuple(members), layer, specs, local_shapes, dtypes, first_bucket,
+                 tuple(bucket_sizes), tuple(buckets))
+
+
+def _stacked_flags(stacked_layers, params, leaves, placement) -> tuple[bool, ...]:
+    """Per leaf, whether its leading axis is the layer axis; checks the stacked leaves."""
+    if stacked_layers is None:
+        return (False,) * len(leaves)
+    try:
+        flags = jax.tree.leaves(jax.tree.map(
+            lambda flag, subtree: jax.tree.map(lambda _: bool(flag), subtree), stacked_layers,
+            params))
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"stacked_layers: expected a pytree of bools with the params' "
+                         f"structure (or a prefix of it): {error}") from error
+    stacked = [i for i, flag in enumerate(flags) if flag]
+    if not stacked:
+        raise ValueError("stacked_layers: expected at least one leaf marked True")
+    num_layers = {leaves[i].shape[0] if leaves[i].ndim else None for i in stacked}
+    if len(num_layers) != 1 or None in num_layers or 0 in num_layers:
+        raise ValueError(f"stacked_layers: expected every marked leaf to have the same leading "
+                         f"layer axis of size >= 1, got leading sizes "
+                         f"{sorted(map(str, num_layers))}")
+    for i in stacked:
+        spec = tuple(placement.specs[i])
+        if spec and spec[0] is not None:
+            raise ValueError(f"stacked_layers: the layer axis of leaf {i} is sharded "
+                             f"({placement.specs[i]}); each device must hold every layer")
+    return tuple(flags)

@@ -1,0 +1,258 @@
+"""offload_stream: elementwise optax transformations streamed per bucket match the plain
+transformation on the tree; transformations that are not elementwise are refused; layer groups
+updated one at a time equal the whole step bit for bit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import make_mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_offload_adamw import assert_tree_close, copy_dependencies, step_scale
+
+from peakflat_jax.optim.offload_stream import offload_stream
+
+SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 6)
+
+TRANSFORMATIONS = {
+    "adamw": lambda: optax.adamw(SCHEDULE, b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1,
+                                 mu_dtype=jnp.float32),
+    "adam_bf16_mu": lambda: optax.adam(1e-2, mu_dtype=jnp.bfloat16),
+    "lion": lambda: optax.lion(SCHEDULE, b1=0.9, b2=0.98, weight_decay=0.05),
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "sgd_nesterov": lambda: optax.sgd(SCHEDULE, momentum=0.8, nesterov=True),
+    "sgd": lambda: optax.sgd(1e-2),
+    "chain": lambda: optax.chain(optax.scale_by_adam(b1=0.85), optax.add_decayed_weights(0.02),
+                                 optax.scale_by_learning_rate(SCHEDULE)),
+    "injected": lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=SCHEDULE,
+                                                              weight_decay=0.1),
+}
+STATE_BYTES_PER_PARAM = {"adamw": 8, "adam_bf16_mu": 6, "lion": 4, "sgd_momentum": 4,
+                         "sgd_nesterov": 4, "sgd": 0, "chain": 8, "injected": 8}
+
+
+def make_params(rng):
+    return {"embed": jnp.asarray(rng.standard_normal((12, 8)), jnp.bfloat16),
+            "layers": {"w": jnp.asarray(rng.standard_normal((2, 8, 8)), jnp.bfloat16),
+                       "b": jnp.asarray(rng.standard_normal((2, 8)), jnp.float32)},
+            "scale": jnp.asarray(rng.standard_normal(()), jnp.float32)}
+
+
+def random_grads(rng, params):
+    return jax.tree.map(lambda p: jax.device_put(
+        jnp.asarray(rng.standard_normal(p.shape), p.dtype), p.sharding), params)
+
+
+def check_against_optax(rng, opt, reference, params, steps, **init_kwargs):
+    """Steps ``opt`` and ``reference`` (on fp32 params and fp32-upcast grads) side by side and
+    compares the masters after every step. The reference is jitted, as the step is: XLA may keep
+    bf16 intermediates (a bf16 mu) in fp32 inside a fused program, and eager optax would round
+    them after every operation instead."""
+    state = opt.init(params, **init_kwargs)
+    master = jax.tree.map(lambda p: np.asarray(p, np.float32), params)
+    reference_state = reference.init(master)
+    reference_update = jax.jit(reference.update)
+    for _ in range(steps):
+        grads = random_grads(rng, params)
+        params, state = opt.step(grads, state)
+        updates, reference_state = reference_update(
+            jax.tree.map(lambda g: np.asarray(g, np.float32), grads), reference_state, master)
+        scale = step_scale(master, updates)
+        master = optax.apply_updates(master, updates)
+        ours = opt.master_params(state)
+        assert_tree_close(ours, master, rtol=1e-6, scale=scale)
+        assert_tree_close(params, jax.tree.map(lambda m, p: m.astype(p.dtype), ours, params),
+                          rtol=0)
+    return params, state
+
+
+@pytest.mark.parametrize("name, bucket_params", [
+    *((name, 50) for name in sorted(TRANSFORMATIONS)),  # 50: buckets split every leaf but b
+    ("lion", 10_000), ("sgd_nesterov", 10_000)])        # one bucket holds every leaf
+def test_matches_the_optax_transformation(rng, name, bucket_params):
+    opt = offload_stream(TRANSFORMATIONS[name](), bucket_params=bucket_params, slots=2)
+    assert opt.state_bytes_per_param == STATE_BYTES_PER_PARAM[name]
+    check_against_optax(rng, opt, TRANSFORMATIONS[name](), make_params(rng), steps=3)
+
+
+@pytest.mark.parametrize("name", ["chain", "lion"])
+def test_clipping_by_the_streamer_matches_clip_by_global_norm_in_a_chain(rng, name):
+    opt = offload_stream(TRANSFORMATIONS[name](), bucket_params=40, max_grad_norm=0.5)
+    reference = optax.chain(optax.clip_by_global_norm(0.5), TRANSFORMATIONS[name]())
+    check_against_optax(rng, opt, reference, make_params(rng), steps=3)
+
+
+FSDP_SPECS = {"embed": P("data", None), "layers": {"w": P(None, None, "model"), "b": P()},
+              "scale": P()}
+
+
+def sharded_params(rng, mesh):
+    return jax.tree.map(lambda p, spec: jax.device_put(p, NamedSharding(mesh, spec)),
+                        make_params(rng), FSDP_SPECS)
+
+
+@pytest.mark.parametrize("name, max_grad_norm", [("sgd_nesterov", None), ("lion", 2.0)])
+def test_fsdp_matches_the_optax_transformation(rng, name, max_grad_norm):
+    mesh = make_mesh(("data", 2), ("model", 4))
+    params = sharded_params(rng, mesh)
+    opt = offload_stream(TRANSFORMATIONS[name](), bucket_params=20, slots=2,
+                         max_grad_norm=max_grad_norm)
+    reference = TRANSFORMATIONS[name]()
+    if max_grad_norm is not None:
+        reference = optax.chain(optax.clip_by_global_norm(max_grad_norm), reference)
+    new_params, _ = check_against_optax(rng, opt, reference, params, steps=3)
+    for new, old in zip(jax.tree.leaves(new_params), jax.tree.leaves(params)):
+        assert new.sharding.is_equivalent_to(old.sharding, old.ndim)
+
+
+# -- what is not elementwise is refused -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("transformation, reason", [
+    (optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), "reduce_sum"),
+    (optax.lamb(1e-3), "not elementwise"),              # trust ratio: per-leaf norms
+    (optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)), "MaskedState"),
+    (optax.multi_transform({"a": optax.sgd(1e-3), "b": optax.adam(1e-3)},
+                           lambda p: jax.tree.map(lambda _: "a", p)), "holds a"),
+    (optax.add_noise(0.1, 0.5, 0), "position"),         # noise drawn per position
+    (optax.adafactor(1e-3), "not elementwise"),         # factored second moments
+    ("adam", "expected an optax GradientTransformation"),
+])
+def test_transformations_that_are_not_elementwise_are_refused(transformation, reason):
+    with pytest.raises(ValueError, match=f"transformation: .*{reason}"):
+        offload_stream(transformation)
+
+
+@pytest.mark.parametrize("kwargs", [dict(bucket_params=0), dict(slots=0), dict(slots=2.0),
+                                    dict(max_grad_norm=-1.0), dict(max_grad_norm=float("inf"))])
+def test_bad_arguments_name_themselves(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        offload_stream(optax.sgd(1e-3), **kwargs)
+
+
+def test_a_state_of_another_transformation_is_refused(rng):
+    params = make_params(rng)
+    lion_state = offload_stream(optax.lion(1e-3)).init(params)
+    with pytest.raises(ValueError, match="state: made for a transformation"):
+        offload_stream(optax.adam(1e-3)).step(random_grads(rng, params), lion_state)
+
+
+# -- layer groups: the step one group at a time ---------------------------------------------------
+
+STACKED = {"embed": False, "layers": True, "scale": False}
+
+
+def test_layer_groups_follow_the_layers(rng):
+    params = make_params(rng)
+    opt = offload_stream(optax.sgd(1e-2, momentum=0.9), bucket_params=20)
+    layout = opt.init(params, stacked_layers=STACKED).layout
+    assert [g.layer for g in layout.groups] == [None, 0, 1]
+    assert [layout.layer_group(layer) for layer in range(2)] == [1, 2]
+    # Unstacked: embed (96) + scale (1) = 97 -> 5 buckets; a layer: w (64) + b (8) = 72 -> 4.
+    assert [len(g.bucket_sizes) for g in layout.groups] == [5, 4, 4]
+    grads = random_grads(rng, params)
+    layer_1 = layout.group_leaves(grads, 2)
+    np.testing.assert_array_equal(layer_1[0], grads["layers"]["b"][1])
+    np.testing.assert_array_equal(layer_1[1], grads["layers"]["w"][1])
+
+
+@pytest.mark.parametrize("name, max_grad_norm", [("adamw", None), ("lion", 1.0)])
+def test_grouped_step_matches_the_ungrouped_step(rng, name, max_grad_norm):
+    """The same elementwise arithmetic on other buckets: equal up to XLA:CPU's code for an
+    element at another offset of a bucket (its vectorized loop and remainder may round
+    differently; seen: 1 element of 144 off by 1 ulp)."""
+    params = make_params(rng)
+    results = []
+    for stacked in (None, STACKED):
+        opt = offload_stream(TRANSFORMATIONS[name](), bucket_params=30,
+                             max_grad_norm=max_grad_norm)
+        state, new_params = opt.init(params, stacked_layers=stacked), params
+        step_rng = np.random.default_rng(0)
+        for _ in range(3):
+            new_params, state = opt.step(random_grads(step_rng, params), state)
+        results.append(opt.master_params(state))
+    assert_tree_close(results[1], results[0], rtol=1e-6)
+
+
+def grouped_step(opt, grads, state):
+    """What a trainer does inside its own program: every group's update, then the new state."""
+    layout = state.layout
+    scalars = opt.step_scalars(grads, state)
+    leaves, groups = [], []
+    for g in range(len(layout.groups)):
+        group_leaves, group = opt.update_group(layout.group_leaves(grads, g), state.group(g),
+                                               scalars)
+        leaves.append(group_leaves)
+        groups.append(group)
+    return layout.merge_groups(leaves), opt.new_state(state, groups, scalars)
+
+
+@pytest.mark.parametrize("mesh_axes", [None, (("data", 2), ("model", 4))])
+def test_updating_group_by_group_equals_the_whole_step_bit_for_bit(rng, mesh_axes):
+    params = make_params(rng) if mesh_axes is None else sharded_params(rng, make_mesh(*mesh_axes))
+    opt = offload_stream(TRANSFORMATIONS["adamw"](), bucket_params=30, max_grad_norm=1.0)
+    grads = [random_grads(rng, params) for _ in range(2)]
+    whole = opt.init(params, stacked_layers=STACKED)
+    for g in grads:
+        whole_params, whole = opt.step(g, whole)
+
+    # One program for every group, as inside a trainer's step.
+    state = opt.init(params, stacked_layers=STACKED)
+    shardings = opt.state_shardings(state)
+    in_one = jax.jit(lambda g, s: grouped_step(opt, g, s), out_shardings=(None, shardings))
+    for g in grads:
+        leaves, state = in_one(g, state)
+    assert_tree_close(jax.tree.unflatten(state.layout.treedef, leaves), whole_params, rtol=0)
+    assert_tree_close(opt.master_params(state), opt.master_params(whole), rtol=0)
+    assert_tree_close(state.streamed, whole.streamed, rtol=0)
+    assert_tree_close(state.shared, whole.shared, rtol=0)
+
+    # A program per group, as a layer's update placed in its own program.
+    state = opt.init(params, stacked_layers=STACKED)
+    for g in grads:
+        layout = state.layout
+        scalars = jax.jit(opt.step_scalars)(g, state)
+        groups = []
+        for index in range(len(layout.groups)):
+            update = jax.jit(opt.update_group,
+                             out_shardings=(None, opt.state_shardings(state).group(index)))
+            _, group = update(layout.group_leaves(g, index), state.group(index), scalars)
+            groups.append(group)
+        state = jax.jit(opt.new_state, out_shardings=shardings)(state, groups, scalars)
+    assert all(a.sharding.memory_kind == "pinned_host" for a in state.master)
+    assert_tree_close(opt.master_params(state), opt.master_params(whole), rtol=0)
+    assert_tree_close(state.shared, whole.shared, rtol=0)
+
+
+def test_bad_layer_groups_are_refused(rng):
+    params = make_params(rng)
+    opt = offload_stream(optax.sgd(1e-3))
+    with pytest.raises(ValueError, match="stacked_layers: .* same leading"):
+        opt.init(params, stacked_layers={"embed": True, "layers": True, "scale": False})
+    with pytest.raises(ValueError, match="stacked_layers: expected at least one"):
+        opt.init(params, stacked_layers=False)
+    mesh = make_mesh(("data", 2), ("model", 4))
+    sharded = {**params, "layers": jax.tree.map(
+        lambda p: jax.device_put(p, NamedSharding(mesh, P("data"))), params["layers"])}
+    sharded = jax.tree.map(lambda p: p if isinstance(p.sharding, NamedSharding)
+                           else jax.device_put(p, NamedSharding(mesh, P())), sharded)
+    with pytest.raises(ValueError, match="stacked_layers: the layer axis .* is sharded"):
+        opt.init(sharded, stacked_layers=STACKED)
+    state = opt.init(params, stacked_layers=STACKED)
+    with pytest.raises(ValueError, match="grads: expected group 1's leaf shapes"):
+        opt.update_group([jnp.zeros((2,))], state.group(1), opt.step_scalars(params, state))
+
+
+def test_the_slot_chain_runs_across_layer_groups(rng):
+    params = make_params(rng)
+    opt = offload_stream(optax.lion(1e-3), bucket_params=30, slots=2)
+    state = opt.init(params, stacked_layers=STACKED)
+    jaxpr = jax.make_jaxpr(opt.step)(random_grads(rng, params), state).jaxpr
+    copy_ins, write_backs, waits = copy_dependencies(jaxpr)
+    # 97 unstacked -> 4 buckets; a layer, 72 -> 3 buckets each.
+    assert len(copy_ins) == len(write_backs) == len(state.master) == 10
+    for b in range(len(copy_ins)):
+        waited = {i for i, w in enumerate(write_backs) if id(w) in waits[b]}
+        assert waited == set(range(b - 2, -1, -2)), (b, waited)
