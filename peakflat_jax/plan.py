@@ -102,8 +102,6 @@ MEMORY_FORMULAS: dict[str, str] = {
     "params": "P * b: this device's weight shards (FSDP dense, EP experts, vocab-split "
               "embedding and head; a leaf W divides nowhere is whole)",
     "grads": "P * b: their gradients, placed alike",
-    "master": "P * 4 if b < 4: the device optimizer's fp32 master",
-    "moments": "P * 8: the device optimizer's fp32 mu and nu",
     "router_bias": "2 * L_m * E * 4: the router's balancing bias (fp32, replicated), in and out",
     "batch": "4 * N * 4: tokens, targets, positions, segment ids (int32)",
     "gathered_weights": "2 * D_l * b: the layer's dense weights all-gathered whole, and their "
@@ -356,7 +354,8 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
         adamw = device_adamw_module.on_device_adamw_memory_terms(weights.param_count,
                                                                  model.dtype)
         add_all("", adamw, "persistent", {**device_adamw_module.MEMORY_FORMULAS,
-                                           **{k: MEMORY_FORMULAS[k] for k in adamw}})
+                                           "params": MEMORY_FORMULAS["params"],
+                                           "grads": MEMORY_FORMULAS["grads"]})
     add("router_bias", 2 * weights.extras, "persistent")
     add("batch", 4 * n * 4, "persistent")
 
@@ -387,10 +386,12 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
     # The loss.
     add("final_hidden", 3 * n * h * 4, "loss")
     if knobs.loss == "ring":
-        ring = ring_module.ring_cross_entropy_memory_terms(
-            n, h, shard_width, width, vocab_block=knobs.vocab_block,
-            mode=knobs.loss_mode if knobs.loss_mode != "gather_kernel" else "auto",
-            hidden_dtype=model.dtype, kernel_dtype=model.dtype)
+        try:
+            ring = ring_module.ring_cross_entropy_memory_terms(
+                n, h, shard_width, width, vocab_block=knobs.vocab_block, mode=knobs.loss_mode,
+                hidden_dtype=model.dtype, kernel_dtype=model.dtype)
+        except ValueError as error:
+            raise ConfigError(f"operators.loss_mode / vocab_block: {error}") from None
         add_all("loss.", ring, "loss", ring_module.MEMORY_FORMULAS)
     else:
         materialized = ring_module.materialized_memory_terms(
@@ -611,6 +612,17 @@ class Plan:
         """Why it does not fit, and what to change (empty when it fits)."""
         return _reasons(self)
 
+    def filled_config(self) -> Config:
+        """The config with the plan's knobs (null ones filled, or all chosen with --auto):
+        what to run. The attention kernel stays as configured (the trainer resolves it)."""
+        sections: dict[str, dict] = {}
+        for key, value in self.knobs.as_config().items():
+            if key == "operators.attention":
+                continue
+            section, field = key.split(".")
+            sections.setdefault(section, {})[field] = value
+        return self.config.replace(**sections)
+
 
 def _fits(config: Config, knobs: Knobs, platform: str, device_memory: int | None,
           host_memory: int | None) -> bool:
@@ -748,7 +760,8 @@ def choose_knobs(config: Config, knobs: Knobs, platform: str, device_memory: int
                 seconds = step_seconds(config, candidate, rates)
                 if seconds < best_time - 1e-12:
                     best, best_time = candidate, seconds
-        why = "the fastest estimated setting that fits"
+        why = ("the fastest estimated setting that fits" if auto else
+               "the fewest chunks, then the largest block, that fit")
         if best is None:  # nothing fits: report the lightest setting, infeasible
             best = with_chunks(with_offload(knobs, model.num_layers if auto else None),
                                chunk_options[-1])
@@ -759,14 +772,15 @@ def choose_knobs(config: Config, knobs: Knobs, platform: str, device_memory: int
     if choose_budget:
         chunks = -(-n // best.token_budget)
         choices.append(Choice("operators.token_budget", best.token_budget,
-                              f"{chunks} chunk(s) of N = {n:,} tokens; {why} (more chunks cost "
-                              f"{rates.moe_chunk_seconds * 1e3:.1f} ms each per MoE layer)"))
+                              f"{chunks} chunk(s) of N = {n:,} tokens: {why} (each chunk more "
+                              f"costs about {rates.moe_chunk_seconds * 1e3:.1f} ms per MoE "
+                              f"layer)"))
         if auto:
             choices.append(Choice("operators.max_chunks", best.max_chunks, "= the chunks"))
     if choose_block:
         choices.append(Choice("operators.vocab_block", best.vocab_block,
                               f"{why} (None: the whole shard of {_shard_width(config, knobs):,}"
-                              f" columns; fewer, larger strips are preferred)"))
+                              f" columns; the largest block that fits is taken)"))
     if auto:
         choices.append(Choice("operators.offload", Knobs.as_config(best)["operators.offload"],
                               f"{best.num_offloaded} of {model.num_layers} boundaries; {why} "

@@ -164,6 +164,17 @@ def test_attention_kernel_sets_the_scores_term():
 # ----------------------------------------------------------------------------------------------
 # The bound against XLA's CPU plan of the trainer's programs.
 
+# The trainer on main holds two arrays whole on every device that the plan (and mesh.py's
+# layout) shards: the device optimizer's state (its init's outputs land on one device and are
+# then replicated: 8 bytes/param of the whole model on each device) and the offloaded path's
+# gradients (the gradient program's outputs are unconstrained, and XLA returns the dense ones
+# unsharded). Each xfail is strict: it fails once the trainer is fixed, to be removed then.
+REPLICATED_STATE = pytest.mark.xfail(
+    strict=True, reason="trainer: the device optimizer's mu and nu are replicated, not sharded "
+                        "like the params")
+REPLICATED_GRADS = pytest.mark.xfail(
+    strict=True, reason="trainer: the gradient program returns the FSDP gradients unsharded")
+
 # Each operator on in two cases and off in two.
 VARIANTS = {
     "all_on": [],
@@ -173,36 +184,76 @@ VARIANTS = {
 }
 
 
+def compiled_step(config, tmp_path):
+    """The trainer's compiled programs' XLA plans: {"gradient": ..., "optimizer_step": ...}
+    (the second when the optimizer is offloaded; on CPU its host state is an ordinary donated
+    argument, left out here)."""
+    from peakflat_jax.train.trainer import Trainer
+
+    trainer = Trainer(config, run_dir=str(tmp_path))
+    state = trainer.initial_state()
+    trainer.compile(state, trainer.global_batch(next(trainer.batches)))
+    programs = {"gradient": trainer.xla_plan}
+    if trainer.offloaded_optimizer:
+        programs["optimizer_step"] = compiled_memory(
+            trainer.optimizer.lower(state.params, state.opt_state).compile())
+    return programs
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", [
+    pytest.param(name, marks=[REPLICATED_STATE] if name == "loss_and_optimizer_off" else [])
+    for name in VARIANTS])
 def test_plan_bounds_the_trainers_compiled_programs(tmp_path, variant):
     """The plan's device total is at least XLA's CPU plan of what the trainer compiles
     (arguments + temporaries + outputs - aliases, ``CompiledMemory.total``; the larger of the
     gradient program and the optimizer's when the optimizer is offloaded), and at most 1.5x it
     where the MoE is chunked."""
-    from peakflat_jax.train.trainer import Trainer
-
     config = small(*VARIANTS[variant])
-    trainer = Trainer(config, run_dir=str(tmp_path))
-    state = trainer.initial_state()
-    trainer.compile(state, trainer.global_batch(next(trainer.batches)))
-    xla = {"gradient": trainer.xla_plan.total}
+    programs = compiled_step(config, tmp_path)
+    xla = {"gradient": programs["gradient"].total}
     plan = pl.make_plan(config, 8, platform="cpu", baseline=False, search_context=False)
-    if trainer.offloaded_optimizer:
-        step = compiled_memory(trainer.optimizer.lower(state.params, state.opt_state).compile())
-        # On CPU the host state is an ordinary donated argument: leave it out of the device's.
+    if "optimizer_step" in programs:
         host_state = 12 * pl.model_weights(config.model, 8).param_count
-        xla["optimizer_step"] = step.total - host_state
+        xla["optimizer_step"] = programs["optimizer_step"].total - host_state
         assert plan.programs["optimizer_step"] >= xla["optimizer_step"]
     assert plan.programs["gradient"] >= xla["gradient"]
     ratio = plan.total_bytes / max(xla.values())
-    # Measured (SMALL, 8 CPU devices): 1.33 (all on) and 1.43 (loss and optimizer off). With the
-    # MoE in one chunk (moe_dispatch=ep): 2.25 and 2.43, all of the excess in
-    # unchunked_moe_memory_terms (its receive buffers for the worst routing and ragged_dot's
-    # dense expansion: 5.3 MiB of terms where XLA held about 1.3 MiB), which the MoE's own tests
-    # found up to 2.5x its one-chunk CPU plan. The planner takes those terms as they are.
+    # Measured (SMALL, 8 CPU devices): 1.34 (all on). With the MoE in one chunk
+    # (moe_dispatch=ep): 2.26 and, with the device optimizer's state sharded, 2.43: the excess
+    # is unchunked_moe_memory_terms (its receive buffers for the worst routing and ragged_dot's
+    # dense expansion: 5.3 MiB of terms where XLA's peak held about 1.3 MiB), which the MoE's
+    # own tests found up to 2.5x its one-chunk CPU plan. The planner takes those terms as they
+    # are (one source of truth per bound).
     limit = 2.5 if config.operators.moe_dispatch == "ep" else 1.5
     assert 1.0 <= ratio <= limit, (variant, plan.programs, xla)
+
+
+# XLA:CPU adds a table of 8 bytes per buffer to the argument and output sizes.
+BOOKKEEPING_BYTES = 512
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer_offload", [
+    pytest.param(True, marks=REPLICATED_GRADS), pytest.param(False, marks=REPLICATED_STATE)],
+    ids=["offloaded", "device"])
+def test_persistent_terms_are_the_programs_arguments(tmp_path, optimizer_offload):
+    """What the step keeps from one step to the next is exactly the plan's persistent terms:
+    the device step's arguments (weights, fp32 state, router bias, batch), or the gradient
+    program's arguments and outputs (weights in, gradients out)."""
+    config = small(f"operators.optimizer_offload={str(optimizer_offload).lower()}")
+    xla = compiled_step(config, tmp_path)["gradient"]
+    terms = by_name(pl.plan_terms(config, knobs_of(config), platform="cpu"))
+    extras = terms["router_bias"].bytes // 2  # the term counts it in and out
+    arguments = terms["params"].bytes + extras + terms["batch"].bytes
+    if not optimizer_offload:
+        arguments += terms["master"].bytes + terms["moments"].bytes
+    assert 0 <= xla.argument - arguments <= BOOKKEEPING_BYTES
+    if optimizer_offload:
+        counts = (config.model.num_layers - config.model.num_dense_layers) * (
+            config.model.num_experts * 4)
+        outputs = terms["grads"].bytes + extras + counts + 8  # + the loss and gradient norm
+        assert 0 <= xla.output - outputs <= BOOKKEEPING_BYTES
 
 
 # ----------------------------------------------------------------------------------------------
@@ -356,6 +407,12 @@ def test_check_plan_refuses_with_the_table_and_what_to_change():
     assert plan.feasible and plan.knobs.token_budget == 16
     # On CPU the device does not say its memory: only the host is checked.
     assert pl.check_plan(config, jax.devices()).feasible is None
+    # The trainer runs the plan's knobs: a null budget comes back filled.
+    null = small("operators.token_budget=null")
+    filled = pl.check_plan(null, 8, device_memory=64 * MIB).filled_config()
+    assert filled.operators.token_budget == knobs_of(null).tokens_per_device  # one chunk fits
+    assert dataclasses.replace(filled.operators, token_budget=None) == null.operators
+    assert filled.model == null.model and filled.mesh.data == null.mesh.data
 
 
 @pytest.mark.parametrize("argv, message", [
