@@ -5,7 +5,7 @@ Algorithm. A step's peak is not the sum of everything it ever allocates: it is t
 its live sets (SPEC.md, Composition). The planner lists every term of every live set as bytes
 per device, each with a one-line formula, and composes them as the step runs:
 
-    gradient program = persistent + boundaries + max(layer, loss, embedding[, update])
+    gradient program = persistent + boundaries + backward + max(layer, loss, embedding[, update])
     optimizer program = grads + working params + staging  (OffloadStreamAdamW's own program)
     device total = max(the programs the trainer compiles)
 
@@ -16,12 +16,13 @@ per device, each with a one-line formula, and composes them as the step runs:
   carry leaves (``sco_memory_terms``);
 * layer: one layer's recompute and backward, the largest layer kind: the restored boundaries,
   carry cotangents and parameter slices (``sco_memory_terms``), the layer's dense weights
-  gathered whole with their whole gradient, attention (the XLA kernel's T x T scores or cuDNN's
-  statistics), the FFN, or the router and the MoE (``pipelined_moe_memory_terms``, or the
-  worst-case buffers of unchunked dispatch);
+  gathered whole with their whole gradient, its activations (attention's saved probabilities
+  with the XLA kernel), and then in turn attention's backward or the FFN's, or the router's and
+  the MoE's (``pipelined_moe_memory_terms``, or the worst-case buffers of unchunked dispatch);
 * loss: Ring-DTP's strips (``ring_cross_entropy_memory_terms``) or the materialized logits
   (``materialized_memory_terms``), with the hidden state around them;
-* embedding: the table gathered whole for the lookup and its dense gradient;
+* backward: the embedding's dense gradient, which XLA may allocate early;
+* embedding: the table gathered whole for the lookup;
 * update: the fused on-device AdamW's fp32 temporaries (``on_device_adamw_memory_terms`` gives
   its state);
 * host: OffloadStreamAdamW's state (``offload_stream_adamw_host_bytes``), the offloaded
@@ -32,16 +33,20 @@ The weights' bytes come from the model itself (its abstract shapes under ``model
 placement), so a replicated leaf is counted whole. ``plan_terms`` gives every term;
 ``MEMORY_FORMULAS`` the formulas of the planner's own (the operators' are in their modules).
 
-Choosing the knobs. A knob left null in a config (``operators.token_budget``,
-``operators.vocab_block``) is filled by the rule that ``--auto`` uses for it; ``--auto``
-re-chooses all of them: the token budget (and max_chunks), the vocab block, the offloaded
-boundaries, the optimizer's placement, its bucket size and slots, and the mesh's data x seq
-split. For each candidate the planner estimates the step's time from measured rates (``Rates``:
-FLOP rates, the host link, the all-to-all, the optimizer's streaming, the cost of a chunk), and
-takes the fastest candidate that fits; to maximise the context it first takes the
-memory-lightest setting of every knob and searches the context, then the fastest knobs at that
-context. Remat is fixed: every layer is rematerialized from its boundary (the only policy the
-model has).
+On a CPU the memory kinds lower to nothing: a plan for ``platform="cpu"`` keeps the
+"offloaded" boundaries on the device, as XLA:CPU does.
+
+Choosing the knobs (``choose_knobs``). A knob left null in a config (``operators.token_budget``,
+``operators.vocab_block``) is filled by the rule ``--auto`` uses for it: the fewest chunks, then
+the largest vocab block, that fit (memory falls and time rises with chunks); with the device's
+memory unknown (a CPU), the tightest setting the config allows. ``--auto`` re-chooses all of
+them with the offloaded boundaries, the optimizer's placement, its bucket size and slots, and
+the mesh's data x seq split: it estimates each candidate's step time from measured rates
+(``Rates``: FLOP rates, the host link, the all-to-all, the optimizer's streaming, the cost of a
+chunk) and takes the fastest that fits; to maximise the context (or, at a given context, the
+sequences per step) it first takes every knob at its lightest and searches, then the fastest
+knobs there. Remat is fixed: every layer is rematerialized from its boundary (the only policy
+the model has).
 
 Why it is shaped so: the same terms serve three callers (``peakflat plan``, the trainer's check
 before compiling, and the end-to-end benchmark that holds measured peaks against the plan), so
@@ -121,8 +126,9 @@ MEMORY_FORMULAS: dict[str, str] = {
                      "cotangents",
     "final_hidden": "3 * N * H * 4: the last layer's output, the final norm's and the "
                     "cotangent that leaves the loss",
-    "embedding_table": "2 * V' * H * b: the table gathered whole for the lookup, and its dense "
-                       "gradient before the reduce-scatter",
+    "embedding_table": "V' * H * b: the table gathered whole for the lookup",
+    "embedding_gradient": "V' * H * b: the table's dense gradient before the reduce-scatter, "
+                          "which XLA may allocate before the layers' backward (XLA:CPU did)",
     "optimizer_update": "2 * P * 4: the fused AdamW's fp32 gradients (clipped) and updates",
     "data_pipeline": "pipeline_host_bytes / local devices: the batch being made",
 }
@@ -130,6 +136,7 @@ MEMORY_FORMULAS: dict[str, str] = {
 LIVE_SETS = {
     "persistent": "the whole step",
     "boundaries": "from each layer's forward to its backward",
+    "backward": "through the backward, whatever phase it is in",
     "layer": "one layer's recompute and backward (the largest layer kind)",
     "layer/attention": "within the layer: attention's backward",
     "layer/ffn": "within the layer: the FFN's or the MoE's forward and backward",
@@ -399,7 +406,8 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
         add_all("loss.", materialized, "loss", ring_module.MATERIALIZED_MEMORY_FORMULAS)
 
     # The embedding.
-    add("embedding_table", 2 * weights.embedding_whole, "embedding")
+    add("embedding_table", weights.embedding_whole, "embedding")
+    add("embedding_gradient", weights.embedding_whole, "backward")
 
     # The optimizer.
     if knobs.optimizer_offload:
@@ -527,7 +535,7 @@ def program_bytes(terms: Sequence[Term]) -> dict[str, int]:
         by_live[term.live] = by_live.get(term.live, 0) + term.bytes
     phases = phase_bytes(terms)
     programs = {"gradient": by_live.get("persistent", 0) + by_live.get("boundaries", 0)
-                + max(phases.values())}
+                + by_live.get("backward", 0) + max(phases.values())}
     if "optimizer_step" in by_live:
         programs["optimizer_step"] = by_live["optimizer_step"]
     return programs
@@ -1108,6 +1116,7 @@ _REMEDIES = {
     "params": "spread the weights over more devices",
     "grads": "spread the weights over more devices",
     "embedding_table": "spread the vocabulary over more devices",
+    "embedding_gradient": "spread the vocabulary over more devices",
 }
 
 

@@ -172,8 +172,8 @@ def format_table(plan) -> str:
         lines.append(f"{name:34} {term.live:15} {_gib(on[name].bytes) if name in on else '-':>12}"
                      f" {_gib(off[name].bytes) if name in off else '-':>13}  {term.formula}")
     lines.append("")
-    lines.append("peak = persistent + boundaries + the largest phase (phases never overlap); "
-                 "the offloaded optimizer's step is its own program")
+    lines.append("peak = persistent + boundaries + backward + the largest phase (phases never "
+                 "overlap); the offloaded optimizer's step is its own program")
     for label, p in (("operators on", plan), ("baseline", base)):
         if p is None:
             continue
