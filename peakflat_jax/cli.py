@@ -5,6 +5,12 @@
                       [--device-memory GiB] [--host-memory GiB] [--auto] [--json]
     peakflat bench OPERATOR [--preset cpu|gpu|gpu-x8] [--only TEXT]... [--repeats N]
                       [--trace-steps N] [--out-dir DIR] [--json]
+    peakflat xcheck export DIR [--config CONFIG] [--dtype float32|bfloat16] [--seed S]
+                      [section.field=value ...]
+    peakflat xcheck run [--config CONFIG] [--dtype D] [--seed S] [--dir DIR]
+                      [--record-dir DIR] [--torch-device DEVICE] [--torch-python PYTHON]
+                      [--reference float64|none]
+                      [section.field=value ...]
 
 CONFIG is a YAML file or the name of a preset in configs/ (tiny, h200-1, ...).
 """
@@ -21,7 +27,8 @@ import sys
 BENCHMARKS = {"ring_dtp": "peakflat_jax.bench.ring_dtp",
               "moe_dispatch": "peakflat_jax.bench.moe_dispatch",
               "offload_adamw": "peakflat_jax.bench.offload_adamw",
-              "sco": "peakflat_jax.bench.sco"}
+              "sco": "peakflat_jax.bench.sco",
+              "train_step": "peakflat_jax.bench.train_step"}
 # The benchmarks whose cases time one compiled step (harness.measure_compiled), which --trace-steps
 # profiles; offload_adamw times a step and host-side baselines its own way.
 TRACEABLE = ("moe_dispatch", "ring_dtp", "sco")
@@ -37,13 +44,16 @@ def _prepare_environment() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def _enable_compilation_cache() -> None:
-    """JAX's persistent compilation cache (PEAKFLAT_JAX_CACHE, default
-    ~/.cache/peakflat_jax/xla; empty: off): a second run of a config skips XLA's compile."""
+def enable_compilation_cache() -> None:
+    """JAX's persistent compilation cache on GPUs (PEAKFLAT_JAX_CACHE, default
+    ~/.cache/peakflat_jax/xla; empty: off): a second run of a config skips XLA's compile. Not
+    on CPUs unless PEAKFLAT_JAX_CACHE is set: multi-device CPU executables read back from it
+    crashed in their collectives (jax 0.11.2)."""
     import jax
 
-    directory = os.environ.get("PEAKFLAT_JAX_CACHE",
-                               os.path.expanduser("~/.cache/peakflat_jax/xla"))
+    directory = os.environ.get("PEAKFLAT_JAX_CACHE")
+    if directory is None and jax.default_backend() != "cpu":
+        directory = os.path.expanduser("~/.cache/peakflat_jax/xla")
     if directory:
         jax.config.update("jax_compilation_cache_dir", directory)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
@@ -91,6 +101,32 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _xcheck(args: argparse.Namespace) -> int:
+    from peakflat_jax.config import ConfigError
+
+    if args.action == "run":
+        from peakflat_jax.xcheck.run import run
+
+        return run(config=args.config, overrides=args.overrides, dtype=args.dtype,
+                   seed=args.seed, directory=args.dir, record_dir=args.record_dir,
+                   torch_device=args.torch_device, torch_python=args.torch_python,
+                   reference=args.reference,
+                   command=shlex.join(["peakflat", *args.argv]))
+    enable_compilation_cache()
+    from peakflat_jax.xcheck.export import export
+
+    try:
+        manifest = export(args.directory, config=args.config, overrides=tuple(args.overrides),
+                          dtype=args.dtype, seed=args.seed)
+    except ConfigError as error:
+        print(f"peakflat xcheck export: {error}", file=sys.stderr)
+        return 2
+    print(f"exported {len(manifest['cases'])} cases ({', '.join(manifest['cases'])}) to "
+          f"{args.directory}; check them with: python peakflat_jax/xcheck/torch_side.py "
+          f"{shlex.quote(str(args.directory))}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="peakflat", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -123,15 +159,38 @@ def main(argv: list[str] | None = None) -> int:
                             "ring_dtp, sco)")
     bench.add_argument("--out-dir", help="where the JSON record goes (default scripts/results)")
     bench.add_argument("--json", action="store_true", help="print the whole record as JSON")
+    xcheck = commands.add_parser("xcheck", help="cross-check the JAX stack against PyTorch")
+    actions = xcheck.add_subparsers(dest="action", required=True)
+    export = actions.add_parser("export", help="write inputs, JAX outputs and gradients")
+    export.add_argument("directory", help="where the .npz files and manifest.json go")
+    run = actions.add_parser("run", help="export, then the PyTorch side where torch imports")
+    run.add_argument("--dir", help="the export directory (default runs/xcheck-CONFIG-DTYPE-S)")
+    run.add_argument("--record-dir", help="where the JSON record goes (default scripts/results)")
+    run.add_argument("--torch-device", help="torch device (default cuda where available)")
+    run.add_argument("--torch-python", help="run the PyTorch side in this Python instead (e.g. "
+                                            ".venv-torch/bin/python from "
+                                            "scripts/xcheck_torch_env.sh)")
+    run.add_argument("--reference", choices=("float64", "none"), default="float64",
+                     help="also compute each case in float64 on the PyTorch side (informative "
+                          "columns; none halves its time and memory)")
+    for action in (export, run):
+        action.add_argument("--config", default="tiny",
+                            help="a YAML file, or a preset's name in configs/ (default tiny)")
+        action.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+        action.add_argument("--seed", type=int, default=0)
+        action.add_argument("overrides", nargs="*", metavar="section.field=value",
+                            help="config overrides, e.g. data.seq_len=64")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     args.argv = argv
     _prepare_environment()
     if args.command == "train":
-        _enable_compilation_cache()
+        enable_compilation_cache()
         return _train(args)
     if args.command == "plan":
         return plan_cli.run(args)
+    if args.command == "xcheck":
+        return _xcheck(args)
     return _bench(args)
 
 

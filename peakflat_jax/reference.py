@@ -15,11 +15,14 @@ from jax import lax
 
 
 def cross_entropy(hidden: jax.Array, full_kernel: jax.Array, targets: jax.Array, *,
-                  vocab_size: int | None = None, ignore_index: int = -100) -> jax.Array:
+                  vocab_size: int | None = None, ignore_index: int = -100,
+                  reduction: str = "none") -> jax.Array:
     """Per-token ``-log_softmax(hidden @ full_kernel)[target]`` over the first vocab_size columns.
 
     hidden [N, H], full_kernel [H, V'] (V' >= vocab_size; extra columns are padding), targets [N].
-    Returns [N] in the promoted float dtype (at least float32); 0 where the target is ignored.
+    Returns [N] in the promoted float dtype (at least float32), 0 where the target is ignored;
+    with ``reduction="sum"`` their sum, with ``"mean"`` the sum over the count of targets that
+    are not ignored (NaN when there is none, as torch's).
     """
     vocab_size = full_kernel.shape[1] if vocab_size is None else vocab_size
     dtype = jnp.promote_types(jnp.result_type(hidden, full_kernel), jnp.float32)
@@ -28,20 +31,34 @@ def cross_entropy(hidden: jax.Array, full_kernel: jax.Array, targets: jax.Array,
     ignored = targets == ignore_index
     safe_targets = jnp.where(ignored, 0, targets)
     picked = jnp.take_along_axis(log_probs, safe_targets[:, None], axis=-1)[:, 0]
-    return jnp.where(ignored, 0.0, -picked)
+    losses = jnp.where(ignored, 0.0, -picked)
+    return _reduce(losses, ignored, reduction, axis_name=None)
 
 
 def materialized_cross_entropy(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, *,
                                axis_name: Any, vocab_size: int | None = None,
-                               ignore_index: int = -100) -> jax.Array:
+                               ignore_index: int = -100, reduction: str = "none") -> jax.Array:
     """The standard vocab-parallel loss (a per-shard function for shard_map): all-gathers the
     kernel shards [H, Vs] into [H, P*Vs] and materializes the N x V logits and log-softmax.
 
-    Same contract as ``pf.ring_cross_entropy``; this is what it is measured against.
+    Same contract as ``pf.ring_cross_entropy``; this is what it is measured against. A
+    ``reduction`` sums (and counts) over the ranks of ``axis_name``.
     """
     full_kernel = lax.all_gather(kernel, axis_name, axis=1, tiled=True)
-    return cross_entropy(hidden, full_kernel, targets, vocab_size=vocab_size,
-                         ignore_index=ignore_index)
+    losses = cross_entropy(hidden, full_kernel, targets, vocab_size=vocab_size,
+                           ignore_index=ignore_index)
+    return _reduce(losses, targets == ignore_index, reduction, axis_name=axis_name)
+
+
+def _reduce(losses, ignored, reduction: str, axis_name):
+    if reduction == "none":
+        return losses
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction: expected 'none', 'mean' or 'sum', got {reduction!r}")
+    total, count = jnp.sum(losses), jnp.sum(~ignored).astype(losses.dtype)
+    if axis_name is not None:
+        total, count = lax.psum(total, axis_name), lax.psum(count, axis_name)
+    return total / count if reduction == "mean" else total
 
 
 def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,

@@ -5,6 +5,9 @@
 #   bash scripts/gpu_checks.sh h200-smoke      # nvidia-h200: cuDNN attention against XLA's, then
 #                                              #   `peakflat train tiny` in bf16 on one GPU
 #                                              #   (synthetic, packed corpus, all operators off)
+#   bash scripts/gpu_checks.sh h200-train [STEPS]  # nvidia-h200: `peakflat train h200-1` (issue 14),
+#                                              #   then its step with the optimizer overlapped,
+#                                              #   after the backward and removed (issue 20)
 #   bash scripts/gpu_checks.sh h200-sco        # nvidia-h200: SCO, half and all boundaries offloaded
 #   bash scripts/gpu_checks.sh h200-sco-plan   # nvidia-h200: XLA's buffer plan of SCO's step
 #                                              #   (compile only: what the temporaries hold)
@@ -53,6 +56,13 @@ case "${1:-}" in
         --run-dir "/tmp/smoke-$run"
       cp "/tmp/smoke-$run/summary.json" "$out/smoke-$run-summary.json" 2>/dev/null
     done ;;
+  h200-train)
+    timeout 330 python3 -m peakflat_jax.cli train h200-1 "train.steps=${2:-100}" \
+      --run-dir /tmp/h200-1
+    cp /tmp/h200-1/summary.json "$out/h200-1-summary.json"
+    cp /tmp/h200-1/metrics.jsonl "$out/h200-1-metrics.jsonl"
+    timeout 250 python3 -m peakflat_jax.cli bench train_step --preset gpu \
+      --only '"config": "h200-1", "overrides": [],' --out-dir "$out" ;;
   h200-sco)
     # The scan as the same-run baseline, then half and all boundaries offloaded (~2 min a case).
     timeout 560 python3 scripts/bench_sco.py --preset gpu --repeats 2 --only '"offload": 24' \

@@ -285,7 +285,7 @@ def test_memory_terms_bound_the_cpu_plan(devices, experts, tokens, top_k, hidden
 def test_unchunked_terms_bound_one_chunk():
     """The baseline's terms (one chunk, plain EP) bound its CPU plan: measured 1.15x. With
     bf16 at the GPU shapes XLA reuses more of a single chunk's buffers and the bound is looser
-    (up to 2.5x: docs/pipelined_moe.md)."""
+    (up to 2.3x: docs/pipelined_moe.md)."""
     temp = planned_temp(4, 16, 1024, 2, 128, 256, "float32", "mosaic", balance="none")
     terms = unchunked_moe_memory_terms(num_tokens=1024, hidden=128, ffn=256, top_k=2,
                                        num_experts=16, num_devices=4, dtype="float32",

@@ -301,9 +301,10 @@ def test_memory_terms_bound_the_cpu_plan(case):
 def test_memory_terms_by_schedule():
     terms = rce.ring_cross_entropy_memory_terms(100, 10, 50, 4, 20, "move_weights",
                                                 jnp.bfloat16, jnp.float32)
-    assert terms == {"strips": 3 * 100 * 20 * 4, "gradient_partials": (100 * 10 + 10 * 20) * 4,
-                     "token_statistics": 6 * 100 * 4, "hops": 2 * 10 * 50 * 8,
-                     "local": 100 * 10 * 4, "cast": 100 * 10 * 4}
+    expected = {"strips": 3 * 100 * 20 * 4, "gradient_partials": (100 * 10 + 10 * 20) * 4,
+                "token_statistics": 6 * 100 * 4, "hops": 2 * 10 * 50 * 8,
+                "local": 100 * 10 * 4, "cast": 100 * 10 * 4}
+    assert terms == {**dict.fromkeys(rce.MEMORY_FORMULAS, 0), **expected}
     # auto: N = 40 <= Vs moves activations; one device has no hops.
     terms = rce.ring_cross_entropy_memory_terms(40, 10, 50, 4)
     assert terms["hops"] == 2 * 40 * 10 * 8 + 2 * 4 * 40 * 4 and terms["local"] == 10 * 50 * 4

@@ -10,13 +10,15 @@ import socket
 import subprocess
 import sys
 
+import chex
 import jax
 import numpy as np
 import pytest
 from _helpers import relative_error
 
+from peakflat_jax import memory
 from peakflat_jax.config import ConfigError, load_config
-from peakflat_jax.train.trainer import Trainer
+from peakflat_jax.train.trainer import Trainer, moe_leaf_indices
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -94,10 +96,7 @@ def test_resume_is_exact(tmp_path, optimizer_offload):
                       run_dir=str(tmp_path / "b"))
     rest = resumed.run(resume=True, progress=False)
     assert half["losses"] + rest["losses"] == summary["losses"]
-    final_a = straight.final_state
-    final_b = resumed.final_state
-    for a, b in zip(leaves_of(final_a), leaves_of(final_b)):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(leaves_of(straight.final_state), leaves_of(resumed.final_state))
 
 
 def run_cli(args, env=None, timeout=900):
@@ -186,3 +185,41 @@ def test_missing_config_file_is_named():
 def test_missing_corpus_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"data\.corpus_path"):
         Trainer(small_config(f"data.corpus_path={tmp_path / 'missing.txt'}"), run_dir="unused")
+
+
+@pytest.mark.slow
+def test_overlapped_optimizer_changes_no_bit(tmp_path):
+    """The optimizer's update inside the next step's program (operators.optimizer_overlap) gives
+    the plain path's losses, weights and optimizer state bit for bit, with clipping and a
+    schedule, across a checkpoint and a resume; and its staging stays within the slots."""
+    common = ["train.steps=4", "optimizer.max_grad_norm=0.5", "optimizer.warmup_steps=2"]
+    plain = Trainer(small_config(*common, "operators.optimizer_overlap=false"),
+                    run_dir=str(tmp_path / "plain"))
+    expected = plain.run(progress=False)["losses"]
+    overlapped = [*common, "train.checkpoint_every=2"]
+    first = Trainer(small_config(*overlapped), run_dir=str(tmp_path / "overlap"))
+    assert first.overlap
+    losses = first.run(progress=False, stop_after=2)["losses"]
+    resumed = Trainer(small_config(*overlapped), run_dir=str(tmp_path / "overlap"))
+    losses += resumed.run(resume=True, progress=False)["losses"]
+    assert losses == expected
+    chex.assert_trees_all_equal(
+        jax.device_get((plain.final_state.params, plain.final_state.extras,
+                        plain.final_state.opt_state)),
+        jax.device_get((resumed.final_state.params, resumed.final_state.extras,
+                        resumed.final_state.opt_state)))
+    # XLA's plan of the overlapped step against the gradient program's: what it adds is the
+    # optimizer's staging (slots x bucket x 16 bytes) and the new weights and gradients of the
+    # MoE layers, made per layer and then stacked.
+    from peakflat_jax.optim.offload_adamw import offload_stream_adamw_memory_terms
+    grads_plan = memory.compiled_memory(resumed._gradient_step)
+    overlap_plan = memory.compiled_memory(resumed._overlapped_step)
+    params = resumed.final_state.params
+    moe_bytes = sum(leaf.addressable_shards[0].data.nbytes
+                    for i, leaf in enumerate(jax.tree.leaves(params))
+                    if i in set(moe_leaf_indices(params)))
+    staging = offload_stream_adamw_memory_terms(
+        sum(leaf.addressable_shards[0].data.size for leaf in jax.tree.leaves(params)),
+        resumed.config.optimizer.bucket_params, resumed.config.optimizer.slots,
+        np.float32)["staging"]
+    assert overlap_plan.temp - grads_plan.temp <= staging + 2 * moe_bytes

@@ -34,7 +34,7 @@ from peakflat_jax.ops.global_forms import (
     materialized_cross_entropy_global,
     ring_cross_entropy_global,
 )
-from peakflat_jax.ops.sco import sco_scan
+from peakflat_jax.ops.sco import PerLayer, sco_scan
 
 IGNORE = -100
 """The target of a token that predicts nothing (document ends, padding)."""
@@ -71,12 +71,16 @@ class MoEDecoder(nnx.Module):
     def num_moe_layers(self) -> int:
         return self.config.num_layers - self.config.num_dense_layers
 
-    def __call__(self, batch: dict, run: Runtime, offload: tuple[bool, ...]):
+    def __call__(self, batch: dict, run: Runtime, offload: tuple[bool, ...],
+                 moe_layers: PerLayer | None = None):
         """(mean loss over the valid targets, per-layer expert counts [L_moe, E] int32).
 
         ``batch``: tokens, targets, positions, segment_ids, each [B, T] int32, split over the
         mesh's (data, seq) axes. ``offload``: L bools, the boundaries SCO keeps in host memory.
-        With no valid target the mean is NaN (as torch's)."""
+        ``moe_layers``: the MoE layers' variables given per layer (a PerLayer of per-layer
+        nnx.States, e.g. weights and router bias), instead of this module's stacked ones: a
+        step that updates each layer's weights itself lets layer l start before the later
+        layers' weights exist. With no valid target the mean is NaN (as torch's)."""
         config, mesh = self.config, run.mesh
         table = gathered(mesh, self.embedding[...])
         h = on_tokens(mesh, jnp.take(table, batch["tokens"], axis=0))
@@ -87,7 +91,7 @@ class MoEDecoder(nnx.Module):
         counts = jnp.zeros((self.num_moe_layers, config.num_experts), jnp.int32)
         if self.moe_layers is not None:
             carry = self._run_stack(self.moe_layers, {**carry, "counts": counts}, run,
-                                    offload[num_dense:])
+                                    offload[num_dense:], moe_layers)
             counts = carry["counts"]
         h = self.final_norm(carry["h"])
         kernel = self.embedding[...].T if self.head is None else self.head[...]
@@ -96,34 +100,35 @@ class MoEDecoder(nnx.Module):
         return loss, counts
 
     def _run_stack(self, stack: DecoderLayer, carry: dict, run: Runtime,
-                   offload: tuple[bool, ...]) -> dict:
+                   offload: tuple[bool, ...], per_layer: PerLayer | None = None) -> dict:
         graphdef, state = nnx.split(stack)
-        index = jnp.arange(len(offload), dtype=jnp.int32)
+        if per_layer is None:
+            params = ((state,), jnp.arange(len(offload), dtype=jnp.int32))
+        else:
+            params = PerLayer(tuple((tuple(states), jnp.int32(i))
+                                    for i, states in enumerate(per_layer.layers)))
 
         def layer_fn(carry, params):
-            layer_state, layer_index = params
-            layer = nnx.merge(graphdef, layer_state)
+            layer_states, layer_index = params
+            layer = nnx.merge(graphdef, *layer_states)
             h, counts = layer(carry["h"], carry["positions"], carry["segment_ids"], run)
             carry = {**carry, "h": h}
             if counts is not None:
                 carry["counts"] = carry["counts"].at[layer_index].set(counts)
             return carry
 
-        return sco_scan(layer_fn, carry, (state, index), offload=offload)
+        return sco_scan(layer_fn, carry, params, offload=offload)
 
 
 def mean_cross_entropy(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, run: Runtime,
                        vocab_size: int) -> jax.Array:
-    """The mean loss over the valid targets of the global batch, by the configured loss."""
+    """The mean loss over the valid targets of the global batch, by the configured loss: the
+    ring's reduced form (one pass over the vocabulary where a device sees all of it, a
+    strip-by-strip ring otherwise), or the materialized baseline."""
     ops = run.operators
+    common = dict(mesh=run.mesh, axis_name=mop.ALL, vocab_size=vocab_size, ignore_index=IGNORE,
+                  reduction="mean")
     if ops.loss == "ring":
-        options = dict(mode=ops.loss_mode, vocab_block=ops.vocab_block)
-        losses = ring_cross_entropy_global(hidden, kernel, targets, mesh=run.mesh,
-                                           axis_name=mop.ALL, vocab_size=vocab_size,
-                                           ignore_index=IGNORE, **options)
-    else:
-        losses = materialized_cross_entropy_global(hidden, kernel, targets, mesh=run.mesh,
-                                                   axis_name=mop.ALL, vocab_size=vocab_size,
-                                                   ignore_index=IGNORE)
-    valid = targets != IGNORE
-    return jnp.sum(losses) / jnp.sum(valid)
+        return ring_cross_entropy_global(hidden, kernel, targets, mode=ops.loss_mode,
+                                         vocab_block=ops.vocab_block, **common)
+    return materialized_cross_entropy_global(hidden, kernel, targets, **common)

@@ -63,32 +63,17 @@ def ring_cross_entropy_global(hidden: jax.Array, kernel: jax.Array, targets: jax
 
 def materialized_cross_entropy_global(hidden: jax.Array, kernel: jax.Array,
                                       targets: jax.Array, *, mesh: Mesh | None = None,
-                                      axis_name: Any, reduction: str = "none",
-                                      **options) -> jax.Array:
+                                      axis_name: Any, **options) -> jax.Array:
     """The standard vocab-parallel loss on global arrays (the kernel all-gathered, the N x V
     logits materialized: ``reference.materialized_cross_entropy``), same contract as
     ``ring_cross_entropy_global``: the baseline it is measured against."""
-    def per_shard(hidden, kernel, targets, *, axis_name, ignore_index=-100, **kwargs):
-        losses = reference.materialized_cross_entropy(hidden, kernel, targets,
-                                                      axis_name=axis_name,
-                                                      ignore_index=ignore_index, **kwargs)
-        if reduction == "none":
-            return losses
-        total = jax.lax.psum(losses.sum(), axis_name)
-        if reduction == "sum":
-            return total
-        count = jax.lax.psum((targets != ignore_index).sum(), axis_name)
-        return total / count
-
-    return _loss_on_mesh(per_shard, hidden, kernel, targets, mesh, axis_name,
-                         dict(options, **({} if reduction == "none" else {})),
-                         reduced=reduction != "none")
+    return _loss_on_mesh(reference.materialized_cross_entropy, hidden, kernel, targets, mesh,
+                         axis_name, options)
 
 
-def _loss_on_mesh(per_shard, hidden, kernel, targets, mesh, axis_name, options, reduced=None):
+def _loss_on_mesh(per_shard, hidden, kernel, targets, mesh, axis_name, options):
     axes = _axes(axis_name)
-    if reduced is None:
-        reduced = options.get("reduction", "none") != "none"
+    reduced = options.get("reduction", "none") != "none"
 
     def local(h, w, t):
         return per_shard(h, w, t, axis_name=axes, **options)

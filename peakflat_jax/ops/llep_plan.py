@@ -7,17 +7,28 @@ host round trip) and identical on every rank. The plan is an ``[E, D]`` int32 ma
 to the load of e; ``assignment[e, e // E_l]`` is what the owner keeps; any other non-zero entry
 makes d a helper that receives e's weights.
 
-Algorithm (SPEC.md, Operator 1, step 2):
+Algorithm (SPEC.md, Operator 1, step 2; the paper's Alg. 2, as the public LLEP code runs it):
 
 1. Gate: with native loads ``D_d = sum of d's experts' loads`` and mean ``T / D``, plain expert
    parallelism (every expert stays home) unless ``max_d D_d / mean >= threshold``.
-2. Capacity ``m_a = ceil(capacity * T / D)``. Experts in descending load (ties by id). Each owner
-   keeps up to ``m_a - assigned[owner]``. The excess goes, piece by piece, to the helper with the
-   lowest ``assigned + pending`` (pending: its own experts' loads not yet planned): a piece is the
-   helper's room, but at least ``min_tokens`` (or the whole remainder if smaller). When no
-   helper has room the remainder goes to the least loaded device, owner included.
-3. A device hosts at most ``max_foreign_experts`` foreign experts (static buffers); helpers at
-   that bound are passed over, and when none is left the remainder stays with the owner.
+2. Capacity ``m_a = ceil(capacity * T / D)``. Experts in descending load (ties by id); an
+   expert's load leaves its owner's *pending* load (its experts not yet planned) when its turn
+   comes. The owner keeps ``m_a - (assigned + pending)`` of it, at least 0: it holds room back
+   for its own experts still to come, so an overloaded owner spills its overload from the
+   experts it plans first (its largest) and keeps the later ones, instead of keeping its
+   largest and spilling every later one whole, however small.
+3. The excess goes, piece by piece, to the helper with the lowest ``assigned + pending`` (ties
+   by id): a piece is ``min(excess, room)`` of its room ``m_a - (assigned + pending)``, if that
+   room is at least ``min_tokens`` or holds the whole excess. Otherwise no helper can take a
+   piece (the least loaded has the most room), and the whole excess goes to that least loaded
+   helper: one piece past its capacity rather than many small ones (the room it holds back for
+   its own experts is then negative, so they spill in their turn).
+4. A device hosts at most ``max_foreign_experts`` foreign experts (static buffers); helpers at
+   that bound are passed over, and when none is left the excess stays with the owner.
+
+Why these rules and ``default_max_foreign_experts``: docs/pipelined_moe.md, "The LLEP plan"
+(the rules were compared there with the ones they replaced, on the paper's profiles and on
+random Zipf loads).
 
 The knobs are one frozen ``LLEPConfig``; the operator's keywords default to its fields.
 
@@ -56,10 +67,20 @@ class LLEPConfig:
         return default_max_foreign_experts(num_experts, num_devices)
 
 
+# The most foreign experts a device hosted over the plans of the paper's profiles and of random
+# Zipf loads (E = 128, top-8, D = 2, 4, 8) was 5; one more for loads beyond those
+# (docs/pipelined_moe.md, "The LLEP plan").
+DEFAULT_MAX_FOREIGN_EXPERTS = 6
+
+
 def default_max_foreign_experts(num_experts: int, num_devices: int) -> int:
-    """The foreign-expert bound when none is given: E_l, as many as a device owns (0 on one
-    device)."""
-    return num_experts // num_devices if num_devices > 1 else 0
+    """The foreign-expert bound when none is given: ``DEFAULT_MAX_FOREIGN_EXPERTS``, or E_l if
+    a device owns fewer experts (no more foreign experts than it owns, the bound before the
+    census; 0 on one device). A plan that would exceed it keeps the excess with the owner
+    (module doc, step 4)."""
+    if num_devices < 2:
+        return 0
+    return min(DEFAULT_MAX_FOREIGN_EXPERTS, num_experts // num_devices)
 
 
 def plain_assignment(loads: jax.Array, num_devices: int) -> jax.Array:
@@ -95,30 +116,29 @@ def llep_assignment(loads: jax.Array, num_devices: int,
         expert = order[i]
         load, home = loads[expert], owner[expert]
         pending = pending.at[home].add(-load)
-        keep = jnp.minimum(load, jnp.maximum(room_total - assigned[home], 0))
+        keep = jnp.clip(room_total - assigned[home] - pending[home], 0, load)
         assignment = assignment.at[expert, home].add(keep)
-        assigned = assignment.sum(0)
+        assigned = assigned.at[home].add(keep)
 
         def place_piece(_, state):
-            assignment, assigned, foreign, remainder = state
+            assignment, assigned, foreign, excess = state
             hosting = assignment[expert] > 0
             eligible = (devices != home) & (hosting | (foreign < max_foreign))
             burden = assigned + pending
             helper = jnp.argmin(jnp.where(eligible, burden, jnp.iinfo(jnp.int32).max))
             room = room_total - burden[helper]
-            any_room = eligible.any() & (room > 0)
-            piece = jnp.minimum(remainder, jnp.maximum(room, min_tokens))
-            # No helper with room: the least loaded device that may take it, owner included.
-            fallback = jnp.argmin(jnp.where(eligible | (devices == home), burden,
-                                            jnp.iinfo(jnp.int32).max))
-            target = jnp.where(any_room, helper, fallback)
-            piece = jnp.where(any_room, piece, remainder)
+            takes_piece = (room > 0) & ((room >= min_tokens) | (room >= excess))
+            # A piece that fits, else the whole excess to the least loaded helper; with no
+            # helper left under the foreign bound, the excess stays home.
+            target = jnp.where(eligible.any(), helper, home)
+            piece = jnp.where(eligible.any() & takes_piece, jnp.minimum(excess, room), excess)
             new_host = (target != home) & ~hosting[target] & (piece > 0)
             assignment = assignment.at[expert, target].add(piece)
+            assigned = assigned.at[target].add(piece)
             foreign = foreign.at[target].add(new_host.astype(jnp.int32))
-            return assignment, assignment.sum(0), foreign, remainder - piece
+            return assignment, assigned, foreign, excess - piece
 
-        # Each piece either fills a helper or ends the remainder: D pieces always suffice.
+        # Each piece fills a helper to capacity or ends the excess: D pieces always suffice.
         assignment, assigned, foreign, _ = lax.fori_loop(
             0, num_devices, place_piece, (assignment, assigned, foreign, load - keep))
         return assignment, assigned, pending, foreign

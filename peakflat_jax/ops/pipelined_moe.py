@@ -67,9 +67,10 @@ from jax import lax
 
 from peakflat_jax._validate import as_int, as_positive_float
 from peakflat_jax.ops import grouped_matmul, llep_plan, row_permutation
-from peakflat_jax.ops import grouped_matmul as grouped_matmul_module
 from peakflat_jax.ops._shard import vary_alike
 from peakflat_jax.ops.expert_exchange import Exchange, PaddedExchange
+from peakflat_jax.ops.grouped_matmul import IMPLEMENTATIONS as MATMUL_PATHS
+from peakflat_jax.ops.grouped_matmul import ROW_ALIGNMENT
 from peakflat_jax.ops.llep_plan import LLEPConfig
 from peakflat_jax.ops.ragged_exchange import RaggedExchange
 
@@ -603,9 +604,9 @@ def pipelined_moe_memory_terms(*, num_tokens: int, hidden: int, ffn: int, top_k:
     llep = _checked_llep(LLEPConfig(threshold=llep_threshold, capacity=llep_capacity,
                                     max_foreign_experts=max_foreign_experts),
                          balance, num_experts, num_devices)
-    if grouped_matmul not in grouped_matmul_module.IMPLEMENTATIONS:
-        raise ValueError(f"grouped_matmul: expected one of "
-                         f"{grouped_matmul_module.IMPLEMENTATIONS}, got {grouped_matmul!r}")
+    if grouped_matmul not in MATMUL_PATHS:
+        raise ValueError(f"grouped_matmul: expected one of {MATMUL_PATHS}, got "
+                         f"{grouped_matmul!r}")
     b = jnp.dtype(dtype).itemsize
     chunk_tokens = math.ceil(num_tokens / num_chunks)
     rows = num_devices * top_k * chunk_tokens  # M
@@ -621,9 +622,8 @@ def pipelined_moe_memory_terms(*, num_tokens: int, hidden: int, ffn: int, top_k:
         "xla_dense_expansion": 0,
     }
     if grouped_matmul == "mosaic":
-        alignment = grouped_matmul_module.ROW_ALIGNMENT
-        aligned = -(-rows // alignment) * alignment
-        head = -(-_expected_rows(llep, top_k, chunk_tokens) // alignment) * alignment
+        aligned = -(-rows // ROW_ALIGNMENT) * ROW_ALIGNMENT
+        head = -(-_expected_rows(llep, top_k, chunk_tokens) // ROW_ALIGNMENT) * ROW_ALIGNMENT
         terms["mosaic_head_rows"] = head * hidden * b if head < aligned else 0
     else:
         terms["xla_dense_expansion"] = 6 * groups * rows * (hidden + ffn) * 4

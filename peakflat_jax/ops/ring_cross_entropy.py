@@ -18,10 +18,10 @@ Two schedules move different operands around the ring (one hop = a ppermute to r
 * ``move_activations``: tokens and targets rotate (N*H a hop, independent of V); the statistics
   travel with them and take one last hop home. In backward the fp32 hidden gradient travels.
 
-``mode="auto"`` moves weights when N > Vs (the smaller hop). Every hop for step s+1 is issued
-before step s's matmuls, and a travelling accumulator's hop is independent of the step's matmuls,
-so XLA may overlap both with compute; a step's strips wait for the previous step's accumulators,
-so that only one meeting's strips are live.
+For per-token losses ``mode="auto"`` moves weights when N > Vs (the smaller hop). Every hop for
+step s+1 is issued before step s's matmuls, and a travelling accumulator's hop is independent of
+the step's matmuls, so XLA may overlap both with compute; a step's strips wait for the previous
+step's accumulators, so that only one meeting's strips are live.
 
 The backward pass is a custom VJP that keeps only the per-token log-sum-exp (plus the inputs)
 and replays the ring strip by strip: ``dY = (softmax(Y) - onehot(t)) * g``, ``dX += dY W^T``,
@@ -29,23 +29,35 @@ and replays the ring strip by strip: ``dY = (softmax(Y) - onehot(t)) * g``, ``dX
 3. That is the floor for an exact per-token loss that never holds the logits, since the softmax
 of a strip needs the log-sum-exp over every shard first.
 
+A trainer wants the mean (or sum) over the valid tokens, whose cotangent is one scalar:
+``reduction="mean" | "sum"`` returns it, the same on every rank. Then the loss can be exact in 3
+units: ``mode="gather_kernel"`` all-gathers the kernel shards (as FSDP does for any layer), runs
+the one-pass loss of ``fused_cross_entropy`` on this rank's tokens (logits, softmax minus one-hot,
+dX and dW in the forward, block by block of tokens) and reduce-scatters dW: peak O(H V), whatever
+the context. At P = 1 the one-pass path always runs. The ring schedules stay available for a
+mean (4 units, O(N V / P)); ``choose_schedule`` holds the rule that ``mode="auto"`` applies.
+
 Memory (per device, beyond inputs and outputs): ``ring_cross_entropy_memory_terms`` gives each
 term in bytes and ``MEMORY_FORMULAS`` its formula: one meeting's strips (3 * N * B * 4), the
 rotating operands and travelling accumulator (two of each, in and out), the accumulator that
-stays home, and a cast copy when hidden and kernel dtypes differ. No term has N * V; ``tests/``
+stays home, and a cast copy when hidden and kernel dtypes differ; for ``gather_kernel``, the
+gathered kernel, one block's strips and the stored gradients. No term has N * V; ``tests/``
 prove that no array of 2 * N * Vs elements exists in the compiled forward+backward program
 (also inside ``jax.checkpoint`` with its default policy). ``materialized_memory_terms`` gives
 the baseline's terms (the gathered kernel, the N x V logits, log-softmax and their gradient).
 
 Known limit: inside ``jax.checkpoint`` with a policy that saves matmul outputs
 (``dots_saveable`` and kin), the checkpoint's replay saves every strip of the forward ring, all
-N x V logits. The loss is its own rematerialization; keep it outside such regions.
+N x V logits; and the one-pass path computes its gradients in the forward, so a checkpoint's
+replay runs its three units again. The loss is its own rematerialization: keep it outside
+rematerialized regions.
 
 Measured: docs/ring_cross_entropy.md.
 
 Legend: N tokens on this rank, H hidden, P ring size, Vs vocab columns per shard (P * Vs >= V,
-the true vocab), B columns per strip (``vocab_block``), g the loss cotangent, b bytes of the
-compute dtype (the wider of hidden's and kernel's), b_h and b_k those of hidden and kernel.
+the true vocab), B columns per strip (``vocab_block``), T tokens per block of the one-pass path
+(``token_block``), g the loss cotangent, b bytes of the compute dtype (the wider of hidden's and
+kernel's), b_h and b_k those of hidden and kernel.
 """
 
 from __future__ import annotations
@@ -60,26 +72,33 @@ import jax.numpy as jnp
 from jax import lax
 
 from peakflat_jax._validate import as_int
+from peakflat_jax.ops import fused_cross_entropy
 from peakflat_jax.ops._shard import vary_alike
 
 MODES = ("auto", "move_weights", "move_activations")
+REDUCED_MODES = (*MODES, "gather_kernel")
+REDUCTIONS = ("none", "mean", "sum")
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # Targets become int32 codes before anything else: the id where it is in the vocabulary, else
 # one of these. Comparing in the caller's dtype could wrap (uint8 156 == -100).
 IGNORED, INVALID = -1, -2
 
 MEMORY_FORMULAS: dict[str, str] = {
-    "strips": "3 * N * B * 4: one strip's fp32 logits, dY and its cast",
-    "gradient_partials": "(N * H + H * B) * 4: one strip's fresh fp32 dX and dW products before "
-                         "they are added (XLA folds the add into the matmul on GPU)",
-    "token_statistics": "6 * N * 4: per-token fp32 max, sum, target logit, log-sum-exp, scale "
-                        "and the int32 target code",
-    "hops": "0 at P = 1; move_weights: 2 * H * Vs * (b + 4), the shard in use and the next, fp32 "
-            "dW in and out; move_activations: 2 * N * H * (b + 4) + 2 * 4 * N * 4, tokens in "
-            "use and the next, fp32 dX in and out, four per-token numbers in and out",
-    "local": "move_weights: N * H * 4 (fp32 dX); move_activations: H * Vs * 4 (fp32 dW)",
-    "cast": "N * H * b if hidden's dtype is narrower than the compute dtype, plus H * Vs * b if "
-            "kernel's is",
+    "strips": "ring: 3 * N * B * 4: one strip's fp32 logits, dY and its cast",
+    "gradient_partials": "ring: (N * H + H * B) * 4: one strip's fresh fp32 dX and dW products "
+                         "before they are added (XLA folds the add into the matmul on GPU)",
+    "token_statistics": "ring: 6 * N * 4: per-token fp32 max, sum, target logit, log-sum-exp, "
+                        "scale and the int32 target code",
+    "hops": "ring, 0 at P = 1; move_weights: 2 * H * Vs * (b + 4), the shard in use and the "
+            "next, fp32 dW in and out; move_activations: 2 * N * H * (b + 4) + 2 * 4 * N * 4, "
+            "tokens in use and the next, fp32 dX in and out, four per-token numbers in and out",
+    "local": "ring; move_weights: N * H * 4 (fp32 dX); move_activations: H * Vs * 4 (fp32 dW)",
+    "cast": "ring: N * H * b if hidden's dtype is narrower than the compute dtype, plus "
+            "H * Vs * b if kernel's is; one-pass: H * P * Vs * b, plus T * H * b",
+    "gathered_kernel": "gather_kernel at P >= 2: H * P * Vs * b_k, the all-gathered kernel",
+    "masked_shard": "gather_kernel: H * Vs * b_k when P * Vs > V (padding columns zeroed)",
+    **{name: f"gather_kernel (one pass, V' = P * Vs): {formula}"
+       for name, formula in fused_cross_entropy.MEMORY_FORMULAS.items() if name != "cast"},
 }
 
 MATERIALIZED_MEMORY_FORMULAS: dict[str, str] = {
@@ -95,36 +114,58 @@ def _itemsize(dtype) -> int:
     return jnp.dtype(dtype).itemsize
 
 
+def _sizes(num_tokens, hidden, shard_width, ring_size) -> tuple[int, int, int, int]:
+    sizes = (as_int(name, value) for name, value in (
+        ("num_tokens", num_tokens), ("hidden", hidden), ("shard_width", shard_width),
+        ("ring_size", ring_size)))
+    return tuple(sizes)
+
+
 def ring_cross_entropy_memory_terms(num_tokens: int, hidden: int, shard_width: int,
                                     ring_size: int, vocab_block: int | None = None,
                                     mode: str = "auto", hidden_dtype=jnp.float32,
-                                    kernel_dtype=jnp.float32) -> dict[str, int]:
-    """Per-device bytes of each term of Ring-DTP's bound (forward + backward), beyond inputs
-    and outputs: N = ``num_tokens`` on this rank, H = ``hidden``, Vs = ``shard_width``,
-    P = ``ring_size``, B = ``vocab_block`` (default Vs); ``mode`` as in ``ring_cross_entropy``
-    (``"auto"`` resolves by the same rule). Formulas: ``MEMORY_FORMULAS``."""
-    n, h, vs, p = (as_int(name, v) for name, v in (("num_tokens", num_tokens),
-                                                  ("hidden", hidden),
-                                                  ("shard_width", shard_width),
-                                                  ("ring_size", ring_size)))
-    if mode not in MODES:
-        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    block = vs if vocab_block is None else min(as_int("vocab_block", vocab_block), vs)
+                                    kernel_dtype=jnp.float32, reduction: str = "none",
+                                    token_block: int | None = None,
+                                    vocab_size: int | None = None) -> dict[str, int]:
+    """Per-device bytes of each term of the loss's bound (forward + backward), beyond inputs
+    and outputs, for the schedule that ``ring_cross_entropy`` takes with these arguments:
+    N = ``num_tokens`` on this rank, H = ``hidden``, Vs = ``shard_width``, P = ``ring_size``,
+    B = ``vocab_block`` (default Vs), T = ``token_block``; ``mode="auto"`` resolves by
+    ``choose_schedule``. Every key of ``MEMORY_FORMULAS`` is present; terms of the other
+    schedules are 0."""
+    n, h, vs, p = _sizes(num_tokens, hidden, shard_width, ring_size)
+    schedule = choose_schedule(n, h, vs, p, mode=mode, reduction=reduction,
+                               vocab_block=vocab_block, token_block=token_block,
+                               hidden_dtype=hidden_dtype, kernel_dtype=kernel_dtype,
+                               vocab_size=vocab_size)
+    terms = dict.fromkeys(MEMORY_FORMULAS, 0)
     compute = _itemsize(jnp.result_type(hidden_dtype, kernel_dtype))
-    move_weights = mode == "move_weights" or (mode == "auto" and n > vs)
+    if schedule == "gather_kernel":
+        kernel_size = _itemsize(kernel_dtype)
+        padded = vocab_size is not None and as_int("vocab_size", vocab_size) < p * vs
+        fused = fused_cross_entropy.memory_terms(n, h, p * vs, token_block, hidden_dtype,
+                                                 kernel_dtype, gradient_is_output=p == 1,
+                                                 vocab_size=vocab_size)
+        terms.update(fused,
+                     gathered_kernel=h * p * vs * kernel_size if p > 1 else 0,
+                     masked_shard=h * vs * kernel_size if padded else 0)
+        return terms
+    block = vs if vocab_block is None else min(as_int("vocab_block", vocab_block), vs)
+    move_weights = schedule == "move_weights"
     if p == 1:
         hops = 0
     elif move_weights:
         hops = 2 * h * vs * (compute + 4)
     else:
         hops = 2 * n * h * (compute + 4) + 2 * 4 * n * 4
-    return {"strips": 3 * n * block * 4,
-            "gradient_partials": (n * h + h * block) * 4,
-            "token_statistics": 6 * n * 4,
-            "hops": hops,
-            "local": n * h * 4 if move_weights else h * vs * 4,
-            "cast": (n * h * compute if _itemsize(hidden_dtype) < compute else 0)
-            + (h * vs * compute if _itemsize(kernel_dtype) < compute else 0)}
+    terms.update(strips=3 * n * block * 4,
+                 gradient_partials=(n * h + h * block) * 4,
+                 token_statistics=6 * n * 4,
+                 hops=hops,
+                 local=n * h * 4 if move_weights else h * vs * 4,
+                 cast=(n * h * compute if _itemsize(hidden_dtype) < compute else 0)
+                 + (h * vs * compute if _itemsize(kernel_dtype) < compute else 0))
+    return terms
 
 
 def materialized_memory_terms(num_tokens: int, hidden: int, shard_width: int, ring_size: int,
@@ -134,16 +175,56 @@ def materialized_memory_terms(num_tokens: int, hidden: int, shard_width: int, ri
     (``reference.materialized_cross_entropy``: all-gathered kernel, N x V logits), forward +
     backward, beyond inputs and outputs: the baseline the planner shows beside Ring-DTP.
     Formulas: ``MATERIALIZED_MEMORY_FORMULAS``."""
-    n, h, vs, p = (as_int(name, v) for name, v in (("num_tokens", num_tokens),
-                                                  ("hidden", hidden),
-                                                  ("shard_width", shard_width),
-                                                  ("ring_size", ring_size)))
+    n, h, vs, p = _sizes(num_tokens, hidden, shard_width, ring_size)
     vocab = p * vs if vocab_size is None else as_int("vocab_size", vocab_size)
     return {"gathered_kernel": h * p * vs * _itemsize(kernel_dtype),
             "logits": n * vocab * 4,
             "log_softmax": n * vocab * 4,
             "logits_gradient": n * vocab * 4,
             "kernel_gradient": h * p * vs * 4}
+
+
+def choose_schedule(num_tokens: int, hidden: int, shard_width: int, ring_size: int, *,
+                    mode: str = "auto", reduction: str = "none", vocab_block: int | None = None,
+                    token_block: int | None = None, hidden_dtype=jnp.float32,
+                    kernel_dtype=jnp.float32, vocab_size: int | None = None,
+                    device_budget_bytes: int | None = None) -> str:
+    """The schedule ``ring_cross_entropy`` runs: ``"move_weights"``, ``"move_activations"`` or
+    (with a reduction) ``"gather_kernel"``. An explicit ``mode`` is returned as given, except
+    that with a reduction at P = 1 the one-pass path runs (``"gather_kernel"``: gathering over
+    one rank moves nothing). The rule of ``mode="auto"``:
+
+    - per-token losses (``reduction="none"``): move the smaller operand, the kernel shard when
+      N > Vs (H * Vs elements a hop against N * H);
+    - a mean or sum at P >= 2: ``"gather_kernel"`` does 3 matmul units of N * H * V where the
+      ring does 4, and moves about as many bytes as a ring that moves weights (the kernel
+      gathered, its gradient reduce-scattered), but holds O(H * V) bytes. So it is taken when
+      its bound (``ring_cross_entropy_memory_terms``) is no larger than that of the ring
+      schedule that auto would take, or, where the planner passes ``device_budget_bytes``,
+      when it fits that budget; otherwise that ring schedule.
+    """
+    n, h, vs, p = _sizes(num_tokens, hidden, shard_width, ring_size)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+    modes = MODES if reduction == "none" else REDUCED_MODES
+    if mode not in modes:
+        needs = " (gather_kernel needs reduction='mean' or 'sum')" if mode in REDUCED_MODES else ""
+        raise ValueError(f"mode: expected one of {modes}{needs}, got {mode!r}")
+    if reduction != "none" and p == 1:
+        return "gather_kernel"
+    if mode != "auto":
+        return mode
+    ring_schedule = "move_weights" if n > vs else "move_activations"
+    if reduction == "none":
+        return ring_schedule
+    sizes = dict(num_tokens=n, hidden=h, shard_width=vs, ring_size=p, vocab_block=vocab_block,
+                 hidden_dtype=hidden_dtype, kernel_dtype=kernel_dtype, reduction=reduction,
+                 token_block=token_block, vocab_size=vocab_size)
+    gathered = sum(ring_cross_entropy_memory_terms(mode="gather_kernel", **sizes).values())
+    if device_budget_bytes is not None:
+        return "gather_kernel" if gathered <= device_budget_bytes else ring_schedule
+    ring = sum(ring_cross_entropy_memory_terms(mode=ring_schedule, **sizes).values())
+    return "gather_kernel" if gathered <= ring else ring_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +236,11 @@ class _Ring:
     vocab_size: int
     shard_width: int
     block_width: int
-    move_weights: bool
+    schedule: str
+
+    @property
+    def move_weights(self) -> bool:
+        return self.schedule == "move_weights"
 
     @property
     def padded(self) -> bool:
@@ -181,9 +266,12 @@ def ring_cross_entropy(
     vocab_size: int | None = None,
     mode: str = "auto",
     ignore_index: int = -100,
+    reduction: str = "none",
     vocab_block: int | None = None,
+    token_block: int | None = None,
 ) -> jax.Array:
-    """Per-token cross-entropy of ``hidden @ full_kernel`` without forming the N x V logits.
+    """Cross-entropy of ``hidden @ full_kernel`` without forming the N x V logits: per token, or
+    its mean or sum over the valid tokens of every rank on the ring.
 
     Call inside ``jax.shard_map``; ``axis_name`` is the ring (the vocab-parallel axis).
 
@@ -195,20 +283,37 @@ def ring_cross_entropy(
       axis_name: the mesh axis that forms the ring.
       vocab_size: the true V when the kernel is padded (P * Vs > V); padded columns never enter
         the softmax. Default P * Vs.
-      mode: ``"auto"`` (move weights when N > Vs), ``"move_weights"`` or ``"move_activations"``.
-      ignore_index: targets equal to it get loss 0 and no gradient.
-      vocab_block: at most this many vocab columns per strip (default: the whole shard). With
-        P = 1 this is a single-device chunked cross-entropy whose strip is ``[N, vocab_block]``.
+      mode: ``"auto"`` (``choose_schedule``), ``"move_weights"`` or ``"move_activations"``; with
+        a reduction also ``"gather_kernel"`` (all-gather the kernel shards, one pass on this
+        rank's tokens, reduce-scatter dW). With a reduction at P = 1 the one-pass path runs
+        whatever the mode.
+      ignore_index: targets equal to it get loss 0 and no gradient, and do not count in a mean.
+      reduction: ``"none"`` (per-token losses), ``"mean"`` or ``"sum"`` over the tokens of all
+        ranks on ``axis_name`` that are not ignored. A mean over no such token is NaN (as
+        torch's), with zero gradients: report such a batch rather than step on it.
+      vocab_block: at most this many vocab columns per strip of the ring (default: the whole
+        shard). With P = 1 and no reduction this is a single-device chunked cross-entropy whose
+        strip is ``[N, vocab_block]``.
+      token_block: tokens per block of the one-pass path (default
+        ``fused_cross_entropy.DEFAULT_TOKEN_BLOCK``); its strip is ``[token_block, P * Vs]``.
 
     Returns:
-      ``[N]`` float32 loss; 0 where ignored, NaN where a target is outside ``[0, vocab_size)``
-      (never a finite wrong number). Differentiable w.r.t. ``hidden`` and ``kernel``.
+      ``reduction="none"``: ``[N]`` float32 loss; 0 where ignored, NaN where a target is outside
+      ``[0, vocab_size)`` (never a finite wrong number). Otherwise a float32 scalar, the same on
+      every rank (use ``out_specs=P()``), NaN if any counted target is outside the vocabulary.
+      Differentiable w.r.t. ``hidden`` and ``kernel``.
+
+    A mean or sum in ``"gather_kernel"`` (and at P = 1) computes its gradients in the forward
+    pass (``fused_cross_entropy``): inside ``jax.checkpoint`` they are computed again in the
+    replay, so keep the loss outside rematerialized regions.
     """
-    ring = _describe_call(hidden, kernel, targets, axis_name, vocab_size, mode, vocab_block)
+    ring = _describe_call(hidden, kernel, targets, axis_name, vocab_size, mode, vocab_block,
+                          reduction, token_block)
     codes = _target_codes(targets, ring.vocab_size, as_int("ignore_index", ignore_index))
     hidden, kernel, codes = vary_alike(hidden, kernel, codes)
-    return _ring_cross_entropy(ring, hidden, kernel, codes)
-
+    if reduction == "none":
+        return _ring_cross_entropy(ring, hidden, kernel, codes)
+    return _reduced_loss(ring, hidden, kernel, codes, reduction, token_block)
 
 
 def _target_codes(targets, vocab_size: int, ignore_index: int):
@@ -224,8 +329,9 @@ def _target_codes(targets, vocab_size: int, ignore_index: int):
     return jnp.where(ignored, IGNORED, jnp.where(in_vocab, ids, INVALID))
 
 
-def _describe_call(hidden, kernel, targets, axis_name, vocab_size, mode, vocab_block) -> _Ring:
-    """Checks the arguments at trace time and fixes the static plan of the ring."""
+def _describe_call(hidden, kernel, targets, axis_name, vocab_size, mode, vocab_block, reduction,
+                   token_block) -> _Ring:
+    """Checks the arguments at trace time and fixes the static plan of the loss."""
     if hidden.ndim != 2 or hidden.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"hidden: expected a bf16, f16 or f32 [N, H] array (the softmax math "
                          f"is fp32), got {hidden.dtype}{list(hidden.shape)}")
@@ -241,8 +347,10 @@ def _describe_call(hidden, kernel, targets, axis_name, vocab_size, mode, vocab_b
     if targets.shape[0] != hidden.shape[0]:
         raise ValueError(f"targets: expected [N={hidden.shape[0]}] to match hidden, got "
                          f"{list(targets.shape)}")
-    if mode not in MODES:
-        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+    if not isinstance(mode, str):
+        raise ValueError(f"mode: expected one of {REDUCED_MODES}, got {mode!r}")
     ring_size = lax.axis_size(axis_name)
     num_tokens, shard_width = hidden.shape[0], kernel.shape[1]
     padded_vocab = ring_size * shard_width
@@ -253,9 +361,41 @@ def _describe_call(hidden, kernel, targets, axis_name, vocab_size, mode, vocab_b
     vocab_block = shard_width if vocab_block is None else as_int("vocab_block", vocab_block)
     if vocab_block < 1:
         raise ValueError(f"vocab_block: expected None or a positive int, got {vocab_block!r}")
-    move_weights = mode == "move_weights" or (mode == "auto" and num_tokens > shard_width)
+    if token_block is not None and as_int("token_block", token_block) < 1:
+        raise ValueError(f"token_block: expected None or a positive int, got {token_block!r}")
+    schedule = choose_schedule(num_tokens, hidden.shape[1], shard_width, ring_size, mode=mode,
+                               reduction=reduction, vocab_block=vocab_block,
+                               token_block=token_block, hidden_dtype=hidden.dtype,
+                               kernel_dtype=kernel.dtype, vocab_size=vocab_size)
     return _Ring(axis_name, ring_size, vocab_size, shard_width, min(vocab_block, shard_width),
-                 move_weights)
+                 schedule)
+
+
+# ----------------------------------------------------------------------------------------------
+# The reduced loss: a mean or sum over the ring's tokens.
+
+
+def _reduced_loss(ring: _Ring, hidden, kernel, codes, reduction: str, token_block):
+    """The mean or sum over the non-ignored tokens of all ranks: a scalar, the same on each."""
+    ignored, in_vocab = _token_validity(codes)
+    count = lax.psum(jnp.sum(~ignored, dtype=jnp.float32), ring.axis_name)
+    scale = 1.0 / jnp.maximum(count, 1.0) if reduction == "mean" else jnp.float32(1)
+    if ring.schedule == "gather_kernel":
+        if ring.padded:  # padding columns may hold anything, NaN included: never read them
+            column = (lax.axis_index(ring.axis_name) * ring.shard_width
+                      + lax.broadcasted_iota(jnp.int32, (1, ring.shard_width), 1))
+            kernel = jnp.where(column < ring.vocab_size, kernel, 0)
+        if ring.ring_size > 1:
+            kernel = lax.all_gather(kernel, ring.axis_name, axis=1, tiled=True)
+        weights = jnp.where(ignored, 0.0, jnp.where(in_vocab, scale, jnp.nan))
+        local = fused_cross_entropy.fused_cross_entropy_sum(
+            hidden, kernel, codes, weights, vocab_size=ring.vocab_size, token_block=token_block)
+    else:
+        local = jnp.sum(_ring_cross_entropy(ring, hidden, kernel, codes)) * scale
+    total = lax.psum(local, ring.axis_name)
+    if reduction == "mean":  # torch's mean over no token: NaN
+        total = jnp.where(count > 0, total, jnp.nan)
+    return total
 
 
 # ----------------------------------------------------------------------------------------------

@@ -303,7 +303,8 @@ class OffloadStream:
         self._checked_layout(state)
         return StepScalars(state.shared, self._global_norm(jax.tree.leaves(grads)))
 
-    def update_group(self, grads, group_state: GroupState, scalars: StepScalars):
+    def update_group(self, grads, group_state: GroupState, scalars: StepScalars,
+                     slot_chain: list | None = None):
         """Updates one group's buckets (traceable: inside the trainer's jit).
 
         ``grads``: the group's gradient leaves (``layout.group_leaves(grads, g)``: whole leaves,
@@ -319,7 +320,10 @@ class OffloadStream:
         if shapes != expected:
             raise ValueError(f"grads: expected group {group_state.index}'s leaf shapes "
                              f"{expected}, got {shapes}")
-        leaves, new_group, _ = self._update_group(grads, group_state, scalars, [])
+        leaves, new_group, chain = self._update_group(grads, group_state, scalars,
+                                                      slot_chain or [])
+        if slot_chain is not None:
+            slot_chain[:] = chain
         return leaves, new_group
 
     def new_state(self, state: OffloadStreamState, groups, scalars: StepScalars):

@@ -73,7 +73,12 @@ class Checkpoints:
             opt_state=ocp.args.StandardRestore(abstract["opt_state"]),
             data=grain.checkpoint.CheckpointRestore(batches)))
         opt_state = _opt_from_checkpoint(optimizer, restored["opt_state"], state.opt_state)
-        return type(state)(restored["params"], restored["extras"], opt_state, meta["step"])
+        # Every array where the fresh state keeps it (orbax may restore a leaf replicated).
+        params, extras, opt_state = jax.tree.map(
+            lambda array, like: jax.device_put(array, like.sharding),
+            (restored["params"], restored["extras"], opt_state),
+            (state.params, state.extras, state.opt_state))
+        return type(state)(params, extras, opt_state, meta["step"])
 
     def close(self) -> None:
         if self._manager is not None:

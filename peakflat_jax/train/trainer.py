@@ -40,7 +40,7 @@ from peakflat_jax.model.decoder import IGNORE
 from peakflat_jax.model.layers import Runtime
 from peakflat_jax.model.sharding import init_model
 from peakflat_jax.model.size import model_flops_per_token
-from peakflat_jax.ops.sco import HostBudget
+from peakflat_jax.ops.sco import HostBudget, PerLayer
 from peakflat_jax.train import checkpoint as ckpt
 from peakflat_jax.train import data as data_pipeline
 from peakflat_jax.train import metrics as report
@@ -54,12 +54,15 @@ class DoesNotFit(RuntimeError):
 @dataclasses.dataclass
 class TrainState:
     """Everything a step changes: weights (trainable params and the router's bias), optimizer
-    state, the data iterator's position and the step count."""
+    state and the step count (the data iterator keeps its own position)."""
 
     params: Any
     extras: Any
     opt_state: Any
     step: int
+    pending: Any = None
+    """With the optimizer overlapped: the last step's gradients, whose update the next step's
+    program applies (None when every step's update is applied)."""
 
 
 def boundary_offload(config: Config, mesh) -> tuple[bool, ...]:
@@ -108,6 +111,10 @@ class Trainer:
         self.run_dir = pathlib.Path(run_dir or config.train.run_dir.format(name=config.name))
         self.total_steps = config.train.steps
         self.offloaded_optimizer = config.operators.optimizer_offload
+        # Overlapping hides the MoE layers' updates under the forward: without MoE layers there
+        # is nothing to hide them under.
+        self.overlap = (self.offloaded_optimizer and config.operators.optimizer_overlap
+                        and config.model.num_layers > config.model.num_dense_layers)
         self.schedule = learning_rate_schedule(config.optimizer, self.total_steps)
         self.batches = data_pipeline.make_batches(
             config.data, vocab_size=config.model.vocab_size,
@@ -122,7 +129,9 @@ class Trainer:
         params, extras = split_model_state(state)
         if self.offloaded_optimizer:
             self.optimizer = make_offloaded(self.config.optimizer, self.total_steps)
-            opt_state = self.optimizer.init(params)
+            # Each MoE layer's weights form their own buckets (layer groups), in both modes, so
+            # that overlapping changes no bit.
+            opt_state = self.optimizer.init(params, stacked_layers=moe_stack_mask(params))
         else:
             self.optimizer = DeviceAdamW(self.config.optimizer, self.total_steps)
             opt_state = jax.jit(self.optimizer.init)(params)
@@ -168,9 +177,21 @@ class Trainer:
                 loss, counts, grads, grad_norm, extras = self._gradients(params, extras, batch)
                 return dict(loss=loss, grad_norm=grad_norm, counts=counts), grads, extras
 
-            self._gradient_step = jax.jit(gradient_step, donate_argnums=(1,)).lower(
+            grad_shardings = jax.tree.map(lambda a: a.sharding, state.params)
+            extras_shardings = jax.tree.map(lambda a: a.sharding, state.extras)
+            self._gradient_step = jax.jit(
+                gradient_step, donate_argnums=(1,),
+                out_shardings=(None, grad_shardings, extras_shardings)).lower(
                 state.params, state.extras, batch).compile()
             self._check_fits(self._gradient_step, "the loss and gradient program")
+            if self.overlap:
+                kept = jax.tree.map(lambda a: a.sharding, (state.params, state.extras))
+                self._overlapped_step = jax.jit(
+                    self._overlapped, donate_argnums=(0, 1, 2, 3),
+                    out_shardings=(*kept, self.optimizer.state_shardings(state.opt_state),
+                                   grad_shardings, None)).lower(
+                    state.params, state.extras, state.opt_state, state.params, batch).compile()
+                self._check_fits(self._overlapped_step, "the overlapped step")
         else:
             def train_step(params, extras, opt_state, batch):
                 loss, counts, grads, grad_norm, extras = self._gradients(params, extras, batch)
@@ -178,7 +199,11 @@ class Trainer:
                 return params, extras, opt_state, dict(loss=loss, grad_norm=grad_norm,
                                                        counts=counts)
 
-            self._train_step = jax.jit(train_step, donate_argnums=(0, 1, 2)).lower(
+            # The state comes out where it went in: each step's inputs match the compiled ones.
+            kept = jax.tree.map(lambda a: a.sharding, (state.params, state.extras,
+                                                       state.opt_state))
+            self._train_step = jax.jit(train_step, donate_argnums=(0, 1, 2),
+                                       out_shardings=(*kept, None)).lower(
                 state.params, state.extras, state.opt_state, batch).compile()
             self._check_fits(self._train_step, "the train step")
 
@@ -200,7 +225,16 @@ class Trainer:
         return int(configured * 2**30) if configured else report.device_memory_bytes()
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
-        """One optimizer step; the state passed in is consumed."""
+        """One optimizer step; the state passed in is consumed. Overlapped, the step's update
+        is left pending for the next step's program (``flush`` applies it)."""
+        if self.overlap:
+            if state.pending is None:
+                metrics, grads, extras = self._gradient_step(state.params, state.extras, batch)
+                params, opt_state = state.params, state.opt_state
+            else:
+                params, extras, opt_state, grads, metrics = self._overlapped_step(
+                    state.params, state.extras, state.opt_state, state.pending, batch)
+            return TrainState(params, extras, opt_state, state.step + 1, grads), metrics
         if self.offloaded_optimizer:
             metrics, grads, extras = self._gradient_step(state.params, state.extras, batch)
             jax.tree.map(lambda a: a.delete(), state.params)  # the optimizer writes new ones
@@ -209,6 +243,73 @@ class Trainer:
             params, extras, opt_state, metrics = self._train_step(
                 state.params, state.extras, state.opt_state, batch)
         return TrainState(params, extras, opt_state, state.step + 1), metrics
+
+    def flush(self, state: TrainState) -> TrainState:
+        """The state with a pending update applied (the optimizer's own program)."""
+        if state.pending is None:
+            return state
+        jax.tree.map(lambda a: a.delete(), state.params)
+        params, opt_state = self.optimizer.step(state.pending, state.opt_state)
+        return dataclasses.replace(state, params=params, opt_state=opt_state, pending=None)
+
+    def _overlapped(self, params, extras, opt_state, pending, batch):
+        """The update of the previous step's gradients ``pending`` and this step's loss and
+        gradients, in one program: each layer group's buckets are streamed in, updated and
+        written back in layer order (the slot chain running across groups), and the MoE layers
+        reach the model per layer (``PerLayer``), so layer l's forward waits for layer l's
+        update only and the later layers' host traffic runs under it. The same arithmetic as
+        the optimizer's own step, then the gradient program."""
+        opt = self.optimizer
+        layout = opt_state.layout
+        scalars = opt.step_scalars(pending, opt_state)
+        leaves, treedef = jax.tree.flatten(params)
+        moe = moe_leaf_indices(params)
+        new_leaves = list(leaves)
+        num_moe_layers = self.config.model.num_layers - self.config.model.num_dense_layers
+        layer_leaves = [{} for _ in range(num_moe_layers)]
+        groups, slot_chain = [], []
+        for index, group in enumerate(layout.groups):
+            updated, group_state = opt.update_group(layout.group_leaves(pending, index),
+                                                    opt_state.group(index), scalars,
+                                                    slot_chain=slot_chain)
+            groups.append(group_state)
+            for i, leaf in zip(group.leaves, updated):
+                if group.layer is None:
+                    new_leaves[i] = leaf
+                else:
+                    layer_leaves[group.layer][i] = leaf
+        opt_state = opt.new_state(opt_state, groups, scalars)
+        moe_def = jax.tree.structure(params["moe_layers"])
+        per_layer = [jax.tree.unflatten(moe_def, [layer[i] for i in moe]) for layer in
+                     layer_leaves]
+        outer = [leaf for i, leaf in enumerate(new_leaves) if i not in moe]
+        abstract = {i: jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in moe}
+        extras_layers = [jax.tree.map(lambda a, at=layer: a[at], extras["moe_layers"])
+                         for layer in range(num_moe_layers)]
+
+        def loss(outer, per_layer):
+            outer = iter(outer)
+            full = [abstract[i] if i in abstract else next(outer) for i in range(len(leaves))]
+            model = nnx.merge(self.graphdef, jax.tree.unflatten(treedef, full), extras)
+            layers = PerLayer(tuple((p, e) for p, e in zip(per_layer, extras_layers)))
+            return model(batch, self.runtime, self.offload, moe_layers=layers)
+
+        (value, counts), (d_outer, d_layers) = jax.value_and_grad(
+            loss, argnums=(0, 1), has_aux=True)(outer, per_layer)
+        d_outer, d_layers = iter(d_outer), [jax.tree.leaves(d) for d in d_layers]
+        grads, new_params = [], []
+        for i in range(len(leaves)):
+            if i in abstract:
+                k = moe.index(i)
+                grads.append(jnp.stack([d[k] for d in d_layers]))
+                new_params.append(jnp.stack([layer[i] for layer in layer_leaves]))
+            else:
+                grads.append(next(d_outer))
+                new_params.append(new_leaves[i])
+        grads = jax.tree.unflatten(treedef, grads)
+        metrics = dict(loss=value, grad_norm=optax_global_norm(grads), counts=counts)
+        return (jax.tree.unflatten(treedef, new_params), self._balanced_extras(extras, counts),
+                opt_state, grads, metrics)
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -275,7 +376,9 @@ class Trainer:
                            f"loss {loss:.4f}  {record['tokens_per_second']:,.0f} tok/s")
                 every = config.train.checkpoint_every
                 if every and (state.step % every == 0 or state.step == self.total_steps):
+                    state = self.flush(state)  # a checkpoint holds every update applied
                     checkpoints.save(state, self.batches, self.optimizer)
+            state = self.flush(state)
         finally:
             checkpoints.close()
             writer.close()
@@ -321,6 +424,23 @@ class Trainer:
             "devices": mop.num_devices(self.mesh),
             "device_kind": jax.devices()[0].device_kind,
         }
+
+
+def moe_leaf_indices(params) -> list[int]:
+    """Tree-order indices of the params' leaves under the MoE layer stack."""
+    paths = jax.tree_util.tree_leaves_with_path(params)
+    return [i for i, (path, _) in enumerate(paths)
+            if getattr(path[0], "key", None) == "moe_layers"]
+
+
+def moe_stack_mask(params):
+    """The optimizer's ``stacked_layers``: True for the MoE stack's leaves (leading layer
+    axis), None when the model has no MoE layers."""
+    moe = set(moe_leaf_indices(params))
+    if not moe:
+        return None
+    leaves, treedef = jax.tree.flatten(params)
+    return jax.tree.unflatten(treedef, [i in moe for i in range(len(leaves))])
 
 
 def optax_global_norm(tree) -> jax.Array:
