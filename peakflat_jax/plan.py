@@ -6,8 +6,12 @@ its live sets (SPEC.md, Composition). The planner lists every term of every live
 per device, each with a one-line formula, and composes them as the step runs:
 
     gradient program = persistent + boundaries + backward + max(layer, loss, embedding[, update])
+    overlapped program = gradient program + staging + the MoE layers' per-layer weights
     optimizer program = grads + working params + staging  (OffloadStreamAdamW's own program)
     device total = max(the programs the trainer compiles)
+
+(the overlapped program, with ``operators.optimizer_overlap``, applies the last step's update
+before each layer's forward; its first step and a flush run the other two).
 
 * persistent: the weight shards and their gradients, the device optimizer's fp32 master and
   moments (or nothing, when OffloadStreamAdamW keeps them in host memory), the router bias, the
@@ -25,6 +29,8 @@ per device, each with a one-line formula, and composes them as the step runs:
 * embedding: the table gathered whole for the lookup;
 * update: the fused on-device AdamW's fp32 temporaries (``on_device_adamw_memory_terms`` gives
   its state);
+* overlap: the staging of the update inside the step, and the MoE layers' updated weights taken
+  per layer beside their stacked copy (XLA:CPU's peak held both);
 * host: OffloadStreamAdamW's state (``offload_stream_adamw_host_bytes``), the offloaded
   boundaries (``sco_host_bytes``) and the data pipeline (``pipeline_host_bytes``).
 
@@ -130,6 +136,9 @@ MEMORY_FORMULAS: dict[str, str] = {
     "embedding_gradient": "V' * H * b: the table's dense gradient before the reduce-scatter, "
                           "which XLA may allocate before the layers' backward (XLA:CPU did)",
     "optimizer_update": "2 * P * 4: the fused AdamW's fp32 gradients (clipped) and updates",
+    "overlap.moe_layer_weights": "2 * P_m * b: the MoE layers' updated weights taken per layer and "
+                                 "their stacked copy (the program's output) beside the stacked "
+                                 "params; P_m the MoE stack's share of P",
     "data_pipeline": "pipeline_host_bytes / local devices: the batch being made",
 }
 
@@ -144,6 +153,8 @@ LIVE_SETS = {
     "embedding": "the lookup and its gradient",
     "update": "the fused AdamW update",
     "optimizer_step": "OffloadStreamAdamW's own program, after the gradients",
+    "overlap": "with operators.optimizer_overlap, beside the gradient program's terms in the "
+               "program that applies the last step's update before each layer's forward",
     "host": "host memory, per device",
 }
 """Where each term is live. The phases (layer, loss, embedding, update) never overlap: the
@@ -210,6 +221,9 @@ class Knobs:
     offload: tuple[bool, ...]
     """Per layer, whether SCO keeps its boundary in host memory."""
     optimizer_offload: bool
+    optimizer_overlap: bool
+    """Whether the trainer applies each step's (offloaded) update inside the next step's
+    program; only with the offloaded optimizer and MoE layers."""
     bucket_params: int
     slots: int
     attention: str
@@ -242,6 +256,7 @@ class Knobs:
                 "operators.offload": ("none" if count == 0 else "all" if count == len(offload)
                                       else count if simple else list(offload)),
                 "operators.optimizer_offload": self.optimizer_offload,
+                "operators.optimizer_overlap": self.optimizer_overlap,
                 "optimizer.bucket_params": self.bucket_params, "optimizer.slots": self.slots,
                 "operators.attention": self.attention}
 
@@ -394,9 +409,11 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
     add("final_hidden", 3 * n * h * 4, "loss")
     if knobs.loss == "ring":
         try:
+            # The model takes the mean over the valid tokens (the reduced form).
             ring = ring_module.ring_cross_entropy_memory_terms(
                 n, h, shard_width, width, vocab_block=knobs.vocab_block, mode=knobs.loss_mode,
-                hidden_dtype=model.dtype, kernel_dtype=model.dtype)
+                hidden_dtype=model.dtype, kernel_dtype=model.dtype, reduction="mean",
+                vocab_size=model.vocab_size)
         except ValueError as error:
             raise ConfigError(f"operators.loss_mode / vocab_block: {error}") from None
         add_all("loss.", ring, "loss", ring_module.MEMORY_FORMULAS)
@@ -420,6 +437,14 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
         add("host.optimizer_state",
             offload_module.offload_stream_adamw_host_bytes(weights.param_count), "host",
             "12 * P: fp32 master, mu and nu (offload_stream_adamw_host_bytes)")
+        if knobs.optimizer_overlap:
+            # XLA:CPU updates the donated host buffers in place: nothing is staged there
+            # (tests/test_optim_memory.py measured it).
+            staged = step["staging"] + step["staging_gpu_excess"] if platform == "gpu" else 0
+            add("overlap.staging", staged, "overlap",
+                "the optimizer step's staging terms (above), now inside the step's program; 0 "
+                "on CPU, where XLA updates in place")
+            add("overlap.moe_layer_weights", 2 * num_moe * weights.layer_shard["moe"], "overlap")
     else:
         add("optimizer_update", 2 * weights.param_count * 4, "update")
     add("host.offloaded_boundaries", sco_module.sco_host_bytes(knobs.num_offloaded, boundary),
@@ -512,7 +537,7 @@ def baseline_knobs(knobs: Knobs) -> Knobs:
     chunk, the materialized loss, no offload, the optimizer on the device."""
     return dataclasses.replace(knobs, moe_dispatch="ep", token_budget=None,
                                loss="materialized", offload=(False,) * len(knobs.offload),
-                               optimizer_offload=False)
+                               optimizer_offload=False, optimizer_overlap=False)
 
 
 def _pipeline_bytes(config: Config, knobs: Knobs) -> int:
@@ -529,13 +554,17 @@ def _pipeline_bytes(config: Config, knobs: Knobs) -> int:
 
 def program_bytes(terms: Sequence[Term]) -> dict[str, int]:
     """The device bytes of each program at its peak: ``gradient`` (or the fused step) =
-    persistent + boundaries + the largest phase; ``optimizer_step`` (when present)."""
+    persistent + boundaries + backward + the largest phase; ``overlapped`` (the gradient
+    program's terms and the overlap's, the staging counted beside every phase: an upper bound,
+    as the updates run during the forward); ``optimizer_step`` (when present)."""
     by_live: dict[str, int] = {}
     for term in terms:
         by_live[term.live] = by_live.get(term.live, 0) + term.bytes
     phases = phase_bytes(terms)
     programs = {"gradient": by_live.get("persistent", 0) + by_live.get("boundaries", 0)
                 + by_live.get("backward", 0) + max(phases.values())}
+    if "overlap" in by_live:
+        programs["overlapped"] = programs["gradient"] + by_live["overlap"]
     if "optimizer_step" in by_live:
         programs["optimizer_step"] = by_live["optimizer_step"]
     return programs
@@ -665,6 +694,8 @@ def knobs_from_config(config: Config, num_devices: int, *, context: int | None =
                   max_chunks=ops.max_chunks, loss=ops.loss, loss_mode=ops.loss_mode,
                   vocab_block=ops.vocab_block, offload=(False,) * model.num_layers,
                   optimizer_offload=ops.optimizer_offload,
+                  optimizer_overlap=(ops.optimizer_offload and ops.optimizer_overlap
+                                     and model.num_layers > model.num_dense_layers),
                   bucket_params=config.optimizer.bucket_params, slots=config.optimizer.slots,
                   attention=attention)
     return dataclasses.replace(knobs, offload=offload_flags(config, knobs.tokens_per_device))
@@ -722,7 +753,9 @@ def choose_knobs(config: Config, knobs: Knobs, platform: str, device_memory: int
     chunk_options = _chunk_options(n, knobs.max_chunks, auto) if choose_budget else [None]
     block_options = _block_options(config, knobs) if choose_block else [knobs.vocab_block]
     offload_options = (list(range(model.num_layers + 1)) if auto else [knobs.num_offloaded])
-    optimizer_options = [False, True] if auto else [knobs.optimizer_offload]
+    has_moe = model.num_layers > model.num_dense_layers
+    optimizer_options = ([(False, False), (True, False)] + ([(True, True)] if has_moe else [])
+                         if auto else [(knobs.optimizer_offload, knobs.optimizer_overlap)])
 
     def with_chunks(k: Knobs, chunks):
         if chunks is None:
@@ -735,34 +768,42 @@ def choose_knobs(config: Config, knobs: Knobs, platform: str, device_memory: int
             return k
         return dataclasses.replace(k, offload=tuple(i < count for i in range(model.num_layers)))
 
-    def bucket_for(k: Knobs) -> Knobs:
+    def buckets_for(k: Knobs) -> list[Knobs]:
+        """With auto and the optimizer offloaded: the measured fastest bucket, then halves of
+        it down to 1e6 parameters, two slots each; else the config's."""
         if not (auto and k.optimizer_offload):
-            return k
-        bucket = rates.optimizer_bucket_params
+            return [k]
+        bucket, options = rates.optimizer_bucket_params, []
         while True:
-            trial = dataclasses.replace(k, bucket_params=bucket, slots=2)
-            if device_memory is None or bucket <= 1_000_000 or _optimizer_fits(
-                    config, trial, platform, device_memory):
-                return trial
+            options.append(dataclasses.replace(k, bucket_params=bucket, slots=2))
+            if bucket <= 1_000_000:
+                return options
             bucket //= 2
+
+    def bucket_for(k: Knobs) -> Knobs:
+        return buckets_for(k)[-1 if device_memory is None else 0]
 
     if device_memory is None:  # nothing to fit: the lightest setting allowed
         lightest = with_offload(knobs, model.num_layers if auto else None)
         lightest = with_chunks(lightest, chunk_options[-1])
         lightest = dataclasses.replace(lightest, vocab_block=block_options[-1])
         if auto:
-            lightest = bucket_for(dataclasses.replace(lightest, optimizer_offload=True))
+            lightest = bucket_for(dataclasses.replace(lightest, optimizer_offload=True,
+                                                      optimizer_overlap=False))
         best = lightest
         why = "the device's memory is unknown: the tightest bound the config allows"
     else:
         best, best_time = None, math.inf
-        for optimizer in optimizer_options:
+        for offloaded, overlap in optimizer_options:
             for count in offload_options:
-                base = bucket_for(with_offload(dataclasses.replace(
-                    knobs, optimizer_offload=optimizer), count))
-                candidate = _lightest_fitting(config, base, platform, device_memory,
-                                              host_memory, chunk_options, block_options,
-                                              with_chunks)
+                candidate = None
+                for base in buckets_for(with_offload(dataclasses.replace(
+                        knobs, optimizer_offload=offloaded, optimizer_overlap=overlap), count)):
+                    candidate = _lightest_fitting(config, base, platform, device_memory,
+                                                  host_memory, chunk_options, block_options,
+                                                  with_chunks)
+                    if candidate is not None:  # the largest bucket that fits
+                        break
                 if candidate is None:
                     continue
                 seconds = step_seconds(config, candidate, rates)
@@ -775,7 +816,8 @@ def choose_knobs(config: Config, knobs: Knobs, platform: str, device_memory: int
                                chunk_options[-1])
             best = dataclasses.replace(best, vocab_block=block_options[-1])
             if auto:
-                best = bucket_for(dataclasses.replace(best, optimizer_offload=True))
+                best = bucket_for(dataclasses.replace(best, optimizer_offload=True,
+                                                      optimizer_overlap=False))
             why = "nothing fits: the lightest setting"
     if choose_budget:
         chunks = -(-n // best.token_budget)
@@ -797,10 +839,15 @@ def choose_knobs(config: Config, knobs: Knobs, platform: str, device_memory: int
                               f"{why} (on the device costs 12 bytes/param of device memory; "
                               f"offloaded costs the link: "
                               f"{rates.optimizer_seconds_per_param * 1e9:.2f} s per 1e9 params)"))
+        if best.optimizer_offload and has_moe:
+            choices.append(Choice("operators.optimizer_overlap", best.optimizer_overlap,
+                                  f"{why} (overlapped, the stream hides under the forward and "
+                                  f"the step holds the staging and a second copy of the MoE "
+                                  f"layers' weights)"))
         if best.optimizer_offload:
             choices.append(Choice("optimizer.bucket_params", best.bucket_params,
-                                  "the fastest measured bucket size, halved until the "
-                                  "optimizer's program fits"))
+                                  "the fastest measured bucket size, halved until the step "
+                                  "fits"))
             choices.append(Choice("optimizer.slots", best.slots,
                                   "two: the measured sweep gained nothing from a third"))
     return best, choices
@@ -862,11 +909,6 @@ def _block_options(config: Config, knobs: Knobs) -> list[int | None]:
     return options
 
 
-def _optimizer_fits(config: Config, knobs: Knobs, platform: str, device_memory: int) -> bool:
-    programs = program_bytes(plan_terms(config, knobs, platform=platform))
-    return programs.get("optimizer_step", 0) <= device_memory
-
-
 # ----------------------------------------------------------------------------------------------
 # The step-time estimate.
 
@@ -874,7 +916,8 @@ def _optimizer_fits(config: Config, knobs: Knobs, platform: str, device_memory: 
 def step_seconds(config: Config, knobs: Knobs, rates: Rates = Rates()) -> float:
     """An estimate of one step's time on a device: the model's matmuls with one recompute of
     every layer, attention, the Ulysses exchanges, the MoE's extra chunks, the boundary copies
-    that do not hide under a layer's compute, and the offloaded optimizer's streaming."""
+    that do not hide under a layer's compute, and the offloaded optimizer's streaming (what of
+    it the forward does not hide, when overlapped)."""
     model = config.model
     n, width = knobs.tokens_per_device, knobs.num_devices
     itemsize = jnp.dtype(model.dtype).itemsize
@@ -902,6 +945,8 @@ def step_seconds(config: Config, knobs: Knobs, rates: Rates = Rates()) -> float:
     optimizer = 0.0
     if knobs.optimizer_offload:
         optimizer = model_weights(model, width).param_count * rates.optimizer_seconds_per_param
+        if knobs.optimizer_overlap:  # the stream runs under the forward (1/4 of the compute)
+            optimizer = max(0.0, optimizer - compute / 4)
     return compute + ulysses + moe + boundaries + optimizer
 
 
@@ -1004,7 +1049,7 @@ def _lightest(config: Config, knobs: Knobs, auto: bool) -> Knobs:
         knobs = dataclasses.replace(knobs, vocab_block=_block_options(config, knobs)[-1])
     if auto:
         knobs = dataclasses.replace(knobs, offload=(True,) * model.num_layers,
-                                    optimizer_offload=True,
+                                    optimizer_offload=True, optimizer_overlap=False,
                                     bucket_params=min(knobs.bucket_params, 1_000_000), slots=2)
     return knobs
 

@@ -126,6 +126,9 @@ def test_the_peak_takes_the_largest_phase():
     assert plan.programs["gradient"] == total("persistent") + total("boundaries") + total(
         "backward") + max(plan.phases.values())
     assert plan.programs["optimizer_step"] == total("optimizer_step")
+    # Overlapped (the default with the offloaded optimizer): the update's staging and the MoE
+    # layers' per-layer weights join the gradient program's terms.
+    assert plan.programs["overlapped"] == plan.programs["gradient"] + total("overlap") > 0
     assert plan.total_bytes == max(plan.programs.values())
     assert plan.host_bytes == total("host")
     assert plan.peak_phase == "layer"
@@ -164,16 +167,13 @@ def test_attention_kernel_sets_the_scores_term():
 # ----------------------------------------------------------------------------------------------
 # The bound against XLA's CPU plan of the trainer's programs.
 
-# The trainer on main holds two arrays whole on every device that the plan (and mesh.py's
-# layout) shards: the device optimizer's state (its init's outputs land on one device and are
-# then replicated: 8 bytes/param of the whole model on each device) and the offloaded path's
-# gradients (the gradient program's outputs are unconstrained, and XLA returns the dense ones
-# unsharded). Each xfail is strict: it fails once the trainer is fixed, to be removed then.
+# The trainer holds the device optimizer's state whole on every device where the plan (and
+# mesh.py's layout) shards it: its init's outputs land on one device and are then replicated,
+# 8 bytes/param of the whole model on each device. Strict: it fails once the trainer is fixed,
+# to be removed then.
 REPLICATED_STATE = pytest.mark.xfail(
     strict=True, reason="trainer: the device optimizer's mu and nu are replicated, not sharded "
                         "like the params")
-REPLICATED_GRADS = pytest.mark.xfail(
-    strict=True, reason="trainer: the gradient program returns the FSDP gradients unsharded")
 
 # Each operator on in two cases and off in two.
 VARIANTS = {
@@ -184,16 +184,32 @@ VARIANTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def compiled_programs(tmp_path_factory):
+    """``compiled_step`` of each variant, compiled once for the module's tests."""
+    done = {}
+
+    def get(variant):
+        if variant not in done:
+            done[variant] = compiled_step(small(*VARIANTS[variant]),
+                                          tmp_path_factory.mktemp(variant))
+        return done[variant]
+
+    return get
+
+
 def compiled_step(config, tmp_path):
-    """The trainer's compiled programs' XLA plans: {"gradient": ..., "optimizer_step": ...}
-    (the second when the optimizer is offloaded; on CPU its host state is an ordinary donated
-    argument, left out here)."""
+    """The trainer's compiled programs' XLA plans: {"gradient": ...} (or the fused step), and
+    with the optimizer offloaded "optimizer_step" and, overlapped, "overlapped"."""
     from peakflat_jax.train.trainer import Trainer
 
     trainer = Trainer(config, run_dir=str(tmp_path))
     state = trainer.initial_state()
     trainer.compile(state, trainer.global_batch(next(trainer.batches)))
-    programs = {"gradient": trainer.xla_plan}
+    programs = {"gradient": compiled_memory(getattr(trainer, "_gradient_step", None)
+                                            or trainer._train_step)}
+    if getattr(trainer, "_overlapped_step", None) is not None:
+        programs["overlapped"] = compiled_memory(trainer._overlapped_step)
     if trainer.offloaded_optimizer:
         programs["optimizer_step"] = compiled_memory(
             trainer.optimizer.lower(state.params, state.opt_state).compile())
@@ -216,7 +232,7 @@ def moe_alone(config) -> int:
 @pytest.mark.parametrize("variant", [
     pytest.param(name, marks=[REPLICATED_STATE] if name == "loss_and_optimizer_off" else [])
     for name in VARIANTS])
-def test_plan_bounds_the_trainers_compiled_programs(tmp_path, variant):
+def test_plan_bounds_the_trainers_compiled_programs(compiled_programs, variant):
     """The plan's device total is at least XLA's CPU plan of what the trainer compiles
     (arguments + temporaries + outputs - aliases, ``CompiledMemory.total``; the larger of the
     gradient program and the optimizer's when the optimizer is offloaded). And the composition
@@ -224,14 +240,15 @@ def test_plan_bounds_the_trainers_compiled_programs(tmp_path, variant):
     1.5x XLA's (the MoE's terms carry their own measured margin, up to 2x their CPU plan in
     tests/test_pipelined_moe.py, which the planner takes as it is)."""
     config = small(*VARIANTS[variant])
-    programs = compiled_step(config, tmp_path)
-    xla = {"gradient": programs["gradient"].total}
+    programs = compiled_programs(variant)
     plan = pl.make_plan(config, 8, platform="cpu", baseline=False, search_context=False)
-    if "optimizer_step" in programs:
-        host_state = 12 * pl.model_weights(config.model, 8).param_count
-        xla["optimizer_step"] = programs["optimizer_step"].total - host_state
-        assert plan.programs["optimizer_step"] >= xla["optimizer_step"]
-    assert plan.programs["gradient"] >= xla["gradient"]
+    # On CPU the host state is an ordinary argument: leave it out of the device's share.
+    host_state = 12 * pl.model_weights(config.model, 8).param_count
+    xla = {name: program.total - (host_state if name != "gradient" else 0)
+           for name, program in programs.items()}
+    assert set(plan.programs) == set(xla)
+    for name in xla:
+        assert plan.programs[name] >= xla[name], name
     assert plan.total_bytes >= max(xla.values())
     exact_moe = [t for t in plan.terms if not t.name.startswith("moe.")]
     exact_moe.append(pl.Term("moe", moe_alone(config), "layer/ffn", "XLA's plan of the MoE"))
@@ -249,15 +266,16 @@ BOOKKEEPING_BYTES = 512
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer_offload", [
-    pytest.param(True, marks=REPLICATED_GRADS), pytest.param(False, marks=REPLICATED_STATE)],
+@pytest.mark.parametrize("variant", [
+    "all_on", pytest.param("loss_and_optimizer_off", marks=REPLICATED_STATE)],
     ids=["offloaded", "device"])
-def test_persistent_terms_are_the_programs_arguments(tmp_path, optimizer_offload):
+def test_persistent_terms_are_the_programs_arguments(compiled_programs, variant):
     """What the step keeps from one step to the next is exactly the plan's persistent terms:
     the device step's arguments (weights, fp32 state, router bias, batch), or the gradient
     program's arguments and outputs (weights in, gradients out)."""
-    config = small(f"operators.optimizer_offload={str(optimizer_offload).lower()}")
-    xla = compiled_step(config, tmp_path)["gradient"]
+    config = small(*VARIANTS[variant])
+    optimizer_offload = config.operators.optimizer_offload
+    xla = compiled_programs(variant)["gradient"]
     terms = by_name(pl.plan_terms(config, knobs_of(config), platform="cpu"))
     extras = terms["router_bias"].bytes // 2  # the term counts it in and out
     arguments = terms["params"].bytes + extras + terms["batch"].bytes
