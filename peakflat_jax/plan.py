@@ -1244,10 +1244,18 @@ def check_plan(config: Config, mesh_or_devices, device_memory: int | None = None
     return plan
 
 
-def plan_device_bytes(config: Config, num_devices: int, context: int | None = None, *,
-                      platform: str = "gpu", device_memory: int | None = None) -> int:
-    """The plan's device total for ``config`` at ``context`` (default ``data.seq_len``), null
-    knobs filled as the trainer fills them: what a measured peak is held against."""
+def device_total_bytes(config: Config, num_devices: int, context: int | None = None, *,
+                       platform: str | None = None, device_memory: int | None = None) -> int:
+    """The plan's device total (the largest program) for ``config`` at ``context`` (default
+    ``data.seq_len``), null knobs filled as ``check_plan`` fills them for the trainer (the device
+    memory: ``device_memory``, else ``train.device_memory_gib``, else the local device's):
+    what a measured peak is held against. ``platform``: default the local devices'."""
+    if platform is None:
+        platform = "gpu" if jax.devices()[0].platform in ("gpu", "cuda", "rocm") else "cpu"
+    if device_memory is None and config.train.device_memory_gib:
+        device_memory = int(config.train.device_memory_gib * GIB)
+    if device_memory is None:
+        device_memory = read_device_memory()
     return make_plan(config, num_devices, context=context, device_memory=device_memory,
                      platform=platform, baseline=False, search_context=False).total_bytes
 

@@ -440,6 +440,7 @@ def test_check_plan_refuses_with_the_table_and_what_to_change():
     assert plan.feasible and plan.knobs.token_budget == 16
     # On CPU the device does not say its memory: only the host is checked.
     assert pl.check_plan(config, jax.devices()).feasible is None
+    assert pl.device_total_bytes(config, 8) == pl.check_plan(config, 8).total_bytes
     # The trainer runs the plan's knobs: a null budget comes back filled.
     null = small("operators.token_budget=null")
     filled = pl.check_plan(null, 8, device_memory=64 * MIB).filled_config()
