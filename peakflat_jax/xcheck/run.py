@@ -43,8 +43,9 @@ def load_torch_side():
 def export_in_child(directory: pathlib.Path, *, config: str, overrides: list[str], dtype: str,
                     seed: int) -> None:
     """``peakflat xcheck export`` in a fresh process (its device memory is freed on exit)."""
+    # The overrides (positional) go before the options: argparse takes no positionals after them.
     command = [sys.executable, "-m", "peakflat_jax.cli", "xcheck", "export", str(directory),
-               "--config", config, "--dtype", dtype, "--seed", str(seed), *overrides]
+               *overrides, "--config", config, "--dtype", dtype, "--seed", str(seed)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     completed = subprocess.run(command, env=env)
