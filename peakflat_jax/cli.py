@@ -1,6 +1,8 @@
 """The ``peakflat`` command.
 
     peakflat train CONFIG [section.field=value ...] [--resume] [--run-dir DIR] [--no-progress]
+    peakflat plan CONFIG [section.field=value ...] [--context N] [--devices W]
+                      [--device-memory GiB] [--host-memory GiB] [--auto] [--json]
     peakflat bench OPERATOR [--preset cpu|gpu|gpu-x8] [--only TEXT]... [--repeats N]
                       [--trace-steps N] [--out-dir DIR] [--json]
     peakflat xcheck export DIR [--config CONFIG] [--dtype float32|bfloat16] [--seed S]
@@ -138,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--run-dir", help="where metrics and checkpoints go (default: "
                                          "train.run_dir of the config)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from peakflat_jax import plan_cli
+
+    plan = commands.add_parser("plan", help="the per-device memory of a config, term by term, "
+                                            "before launch (and --auto: the knobs chosen)")
+    plan_cli.add_arguments(plan)
     bench = commands.add_parser("bench", help="benchmark an operator against its baseline")
     bench.add_argument("operator", choices=sorted(BENCHMARKS))
     bench.add_argument("--preset", default="cpu",
@@ -180,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         enable_compilation_cache()
         return _train(args)
+    if args.command == "plan":
+        return plan_cli.run(args)
     if args.command == "xcheck":
         return _xcheck(args)
     return _bench(args)

@@ -1,0 +1,208 @@
+"""``peakflat plan``: the planner's table (or JSON) for a config.
+
+    peakflat plan CONFIG [section.field=value ...] [--context N] [--devices W]
+                  [--device-memory GiB] [--host-memory GiB] [--platform gpu|cpu] [--auto]
+                  [--rate NAME=VALUE ...] [--json]
+
+Memories are per device, in GiB (the host's: the share of its memory one device's process may
+use); without them the plan reads the local device (its allocator's limit; a CPU reports none,
+so there --device-memory is required) and the host (physical memory over local devices).
+``--platform`` is what the plan is for: the attention kernel and the grouped matmul follow it
+(default gpu; ``--platform cpu`` plans for XLA:CPU's kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from peakflat_jax.config import ConfigError, load_config
+
+# peakflat_jax.plan (and jax) are imported where they are used: `peakflat` adds these
+# arguments before it sets up jax's environment (XLA_FLAGS).
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``plan`` subcommand's arguments (cli.py adds them to its subparser)."""
+    parser.add_argument("config", help="a YAML file, or a preset's name in configs/")
+    parser.add_argument("overrides", nargs="*", metavar="section.field=value",
+                        help="config overrides, e.g. operators.token_budget=4096")
+    parser.add_argument("--context", type=int, help="tokens per sequence (default: "
+                                                     "data.seq_len)")
+    parser.add_argument("--devices", type=int, help="W devices (default: the local ones)")
+    parser.add_argument("--device-memory", type=float, metavar="GiB",
+                        help="memory per device (default: read from the local device)")
+    parser.add_argument("--host-memory", type=float, metavar="GiB",
+                        help="host memory per device (default: physical / local devices)")
+    parser.add_argument("--platform", choices=("gpu", "cpu"),
+                        help="the devices planned for (default gpu)")
+    parser.add_argument("--auto", action="store_true",
+                        help="choose the token budget, vocab block, offload set, optimizer "
+                             "placement, buckets and slots, and the mesh split: the longest "
+                             "context (or with --context the most tokens per step) that fits")
+    parser.add_argument("--rate", action="append", default=[], metavar="NAME=VALUE",
+                        help="override a measured rate (the fields of peakflat_jax.plan.Rates, "
+                             "e.g. host_link_bytes=50e9)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _rate_names() -> list[str]:
+    from peakflat_jax.plan import Rates
+
+    return [f.name for f in dataclasses.fields(Rates)]
+
+
+def parse_rates(pairs: list[str]):
+    """``peakflat_jax.plan.Rates`` with the ``NAME=VALUE`` overrides applied."""
+    from peakflat_jax.plan import PlanError, Rates
+
+    values = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or name not in _rate_names():
+            raise PlanError(f"--rate: expected NAME=VALUE with NAME one of {_rate_names()}, "
+                            f"got {pair!r}")
+        try:
+            number = float(value)
+        except ValueError:
+            raise PlanError(f"--rate {name}: expected a number, got {value!r}") from None
+        if not number > 0:
+            raise PlanError(f"--rate {name}: expected a positive number, got {value!r}")
+        values[name] = int(number) if name == "optimizer_bucket_params" else number
+    return dataclasses.replace(Rates(), **values)
+
+
+def _gib_argument(name: str, value: float | None) -> int | None:
+    from peakflat_jax.plan import GIB, PlanError
+
+    if value is None:
+        return None
+    if not value > 0:
+        raise PlanError(f"{name}: expected a positive number of GiB, got {value}")
+    return int(value * GIB)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Prints the plan; exit status 0 when it fits, 1 when it does not, 2 on bad input."""
+    from peakflat_jax.plan import PlanError, plan_json
+
+    try:
+        plan = plan_from_arguments(args)
+    except (ConfigError, PlanError) as error:
+        print(f"peakflat plan: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan_json(plan), indent=1) if args.json else format_table(plan))
+    return 0 if plan.feasible else 1
+
+
+def plan_from_arguments(args: argparse.Namespace):
+    """The ``peakflat_jax.plan.Plan`` the arguments ask for."""
+    import jax
+
+    from peakflat_jax.plan import PlanError, make_plan, read_device_memory, read_host_memory
+
+    config = load_config(args.config, args.overrides)
+    local = jax.devices()
+    local_platform = "gpu" if local[0].platform in ("gpu", "cuda", "rocm") else "cpu"
+    platform = args.platform or "gpu"
+    devices = len(local) if args.devices is None else args.devices
+    if isinstance(devices, bool) or devices < 1:
+        raise PlanError(f"--devices: expected a positive integer, got {devices}")
+    if args.context is not None and args.context < 1:
+        raise PlanError(f"--context: expected a positive number of tokens, got {args.context}")
+    device_memory = _gib_argument("--device-memory", args.device_memory)
+    if device_memory is None:
+        device_memory = read_device_memory()
+        if device_memory is None:
+            raise PlanError(f"--device-memory: the local {local_platform} devices do not report "
+                            f"their memory; give it in GiB per device")
+    host_memory = _gib_argument("--host-memory", args.host_memory)
+    if host_memory is None:
+        host_memory = read_host_memory()
+    return make_plan(config, devices, context=args.context, device_memory=device_memory,
+                     host_memory=host_memory, platform=platform, auto=args.auto,
+                     rates=parse_rates(args.rate))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="peakflat plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+# ----------------------------------------------------------------------------------------------
+# The table.
+
+
+def format_table(plan) -> str:
+    """The terms of a ``peakflat_jax.plan.Plan`` (operators on, baseline), the programs'
+    totals, feasibility and why, the knobs chosen and the largest context; in GiB, or MiB for a
+    plan under 1 GiB."""
+    from peakflat_jax.plan import GIB, LIVE_SETS, PHASES
+
+    unit, scale = ("GiB", GIB) if plan.total_bytes >= GIB else ("MiB", 2**20)
+
+    def _gib(value: int | None) -> str:
+        return "" if value is None else f"{value / scale:,.3f}"
+
+    knobs = plan.knobs
+    base = plan.baseline
+    lines = [
+        f"peakflat plan {plan.config.name}: {knobs.num_devices} {plan.platform} devices (data "
+        f"{knobs.data} x seq {knobs.seq}), context {knobs.context:,} x batch "
+        f"{knobs.batch_size} = N {knobs.tokens_per_device:,} tokens per device",
+        f"memory per device: device {_gib(plan.device_memory) or 'unknown'} {unit}, host "
+        f"{_gib(plan.host_memory) or 'unknown'} {unit}; attention {knobs.attention}",
+        "",
+    ]
+    names = [t.name for t in plan.terms]
+    if base is not None:
+        names += [t.name for t in base.terms if t.name not in names]
+    on = {t.name: t for t in plan.terms}
+    off = {t.name: t for t in base.terms} if base is not None else {}
+    header = f"{'term':34} {'live':15} {'on ' + unit:>12} {'baseline ' + unit:>13}  formula"
+    lines += [header, "-" * len(header)]
+    order = {live: i for i, live in enumerate(LIVE_SETS)}
+    names.sort(key=lambda name: order[(on.get(name) or off.get(name)).live])
+    for name in names:
+        term = on.get(name) or off.get(name)
+        lines.append(f"{name:34} {term.live:15} {_gib(on[name].bytes) if name in on else '-':>12}"
+                     f" {_gib(off[name].bytes) if name in off else '-':>13}  {term.formula}")
+    lines.append("")
+    lines.append("peak = persistent + boundaries + backward + the largest phase (phases never "
+                 "overlap); the offloaded optimizer's step is its own program")
+    for label, p in (("operators on", plan), ("baseline", base)):
+        if p is None:
+            continue
+        phases = ", ".join(f"{phase} {_gib(p.phases[phase])}" for phase in PHASES
+                           if p.phases[phase])
+        programs = ", ".join(f"{name} {_gib(value)}" for name, value in p.programs.items())
+        verdict = {True: "fits", False: "does NOT fit", None: "unknown (device memory)"}[
+            p.feasible]
+        lines.append(f"{label:13} total {_gib(p.total_bytes)} {unit} (programs: {programs}; "
+                     f"phases: {phases}; peak phase {p.peak_phase}); host "
+                     f"{_gib(p.host_bytes)} {unit}: {verdict}")
+        for reason in p.reasons():
+            lines.append(f"{'':13} {reason}")
+    if plan.choices:
+        lines.append("")
+        lines.append("knobs chosen:")
+        for choice in plan.choices:
+            lines.append(f"  {choice.key} = {choice.value}: {choice.why}")
+    if plan.step_seconds is not None:
+        lines.append(f"estimated step: {plan.step_seconds:.3f} s (Rates: measured rates, "
+                     f"docs/plan.md)")
+    if plan.device_memory is not None:
+        for label, p in (("operators on", plan), ("baseline", base)):
+            if p is not None:
+                found = "none" if p.largest_context is None else f"{p.largest_context:,} tokens"
+                lines.append(f"largest context that fits, {label} (batch {knobs.batch_size}): "
+                             f"{found}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

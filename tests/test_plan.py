@@ -1,0 +1,478 @@
+"""The planner: its terms are the operators' own, it composes them as the step runs, it bounds
+XLA's CPU plan of the trainer's programs, it fills and chooses knobs that fit, and it refuses
+bad input by name."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from peakflat_jax import mesh as mop
+from peakflat_jax import plan as pl
+from peakflat_jax import plan_cli
+from peakflat_jax.config import ConfigError, load_config
+from peakflat_jax.memory import compiled_memory
+from peakflat_jax.model.sharding import init_model
+from peakflat_jax.model.size import parameter_counts
+from peakflat_jax.ops import pipelined_moe as moe_module
+from peakflat_jax.ops import ring_cross_entropy as ring_module
+from peakflat_jax.ops import sco as sco_module
+from peakflat_jax.optim import offload_adamw, on_device_adamw
+from tests.test_train import ALL_OFF, SMALL
+
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "results"
+MIB = 2**20
+
+
+def small(*overrides: str):
+    return load_config("tiny", [*SMALL, *overrides])
+
+
+def knobs_of(config, num_devices=8, **kwargs):
+    return pl.knobs_from_config(config, num_devices, **kwargs)
+
+
+def by_name(terms):
+    return {t.name: t for t in terms}
+
+
+# ----------------------------------------------------------------------------------------------
+# The terms.
+
+
+@pytest.mark.parametrize("hidden", [64, 36], ids=["sharded", "some replicated"])
+def test_weights_are_the_models_own_shards(hidden):
+    """P per device equals the initialized model's local shards (36 is not a multiple of 8:
+    the norm scales stay whole on every device, and the planner counts them whole)."""
+    config = small(f"model.hidden={hidden}")
+    mesh = mop.make_mesh(config.mesh)
+    _, state = init_model(config.model, mesh, seed=0)
+    local = [leaf.addressable_shards[0].data for leaf in jax.tree.leaves(state)]
+    weights = pl.model_weights(config.model, 8)
+    trained = sum(a.size * a.dtype.itemsize for a in local) - weights.extras
+    assert weights.params == trained
+    assert weights.extras == (config.model.num_layers - config.model.num_dense_layers) * (
+        config.model.num_experts * 4)  # the router bias, fp32, replicated
+    if hidden == 64:  # every leaf sharded: the counts of model.size over W
+        total = parameter_counts(config.model, mop.padded_vocab(config.model.vocab_size, 8))
+        assert weights.param_count * 8 == total.total
+
+
+def test_terms_are_the_operators_own():
+    """One source of truth per bound: the plan's operator terms are the operators' functions
+    at the plan's sizes."""
+    config = small()
+    knobs = knobs_of(config)
+    n, h, b = knobs.tokens_per_device, config.model.hidden, 4
+    terms = by_name(pl.plan_terms(config, knobs, platform="gpu"))
+    shard = mop.padded_vocab(config.model.vocab_size, 8) // 8
+    ring = ring_module.ring_cross_entropy_memory_terms(n, h, shard, 8, hidden_dtype=jnp.float32,
+                                                       kernel_dtype=jnp.float32)
+    assert {k: terms[f"loss.{k}"].bytes for k in ring} == ring
+    moe = moe_module.pipelined_moe_memory_terms(
+        num_tokens=n, hidden=h, ffn=config.model.expert_ffn, top_k=config.model.top_k,
+        num_experts=config.model.num_experts, num_devices=8, token_budget=16, max_chunks=10,
+        dtype=jnp.float32, grouped_matmul="mosaic")
+    assert {k: terms[f"moe.{k}"].bytes for k in moe} == moe
+    weights = pl.model_weights(config.model, 8)
+    step = offload_adamw.offload_stream_adamw_memory_terms(weights.param_count, 20000, 2,
+                                                           jnp.float32)
+    assert {k: terms[f"optimizer_step.{k}"].bytes for k in step} == step
+    assert terms["host.optimizer_state"].bytes == 12 * weights.param_count
+    # offload: all (tiny.yaml): every boundary in host memory, two restored in backward.
+    layers, boundary = config.model.num_layers, n * h * b
+    assert terms["kept_boundaries"].bytes == 0
+    assert terms["restored_boundaries"].bytes == 2 * boundary
+    assert terms["host.offloaded_boundaries"].bytes == sco_module.sco_host_bytes(layers,
+                                                                                boundary)
+    baseline = by_name(pl.plan_terms(config, knobs, platform="gpu", operators_on=False))
+    unchunked = moe_module.unchunked_moe_memory_terms(
+        num_tokens=n, hidden=h, ffn=config.model.expert_ffn, top_k=config.model.top_k,
+        num_experts=config.model.num_experts, num_devices=8, dtype=jnp.float32,
+        grouped_matmul="mosaic")
+    assert {k: baseline[f"moe.{k}"].bytes for k in unchunked} == unchunked
+    materialized = ring_module.materialized_memory_terms(n, h, shard, 8,
+                                                         vocab_size=config.model.vocab_size)
+    assert {k: baseline[f"loss.{k}"].bytes for k in materialized} == materialized
+    device = on_device_adamw.on_device_adamw_memory_terms(weights.param_count, jnp.float32)
+    assert {k: baseline[k].bytes for k in device} == device
+    assert baseline["kept_boundaries"].bytes == layers * boundary
+    assert "host.optimizer_state" not in baseline
+    every = [*pl.plan_terms(config, knobs), *baseline.values()]
+    assert all(t.formula and t.live in pl.LIVE_SETS and t.bytes >= 0 for t in every)
+
+
+def test_the_peak_takes_the_largest_phase():
+    """gradient program = persistent + boundaries + the largest phase, the layer's phase
+    being its own terms plus the larger of its attention and FFN sub-phases; the offloaded
+    optimizer's step is a program of its own."""
+    config = small("operators.offload=none")
+    plan = pl.make_plan(config, 8, platform="cpu", baseline=False, search_context=False)
+
+    def total(live):
+        return sum(t.bytes for t in plan.terms if t.live == live)
+
+    layer = total("layer") + max(total("layer/attention"), total("layer/ffn"))
+    assert plan.phases["layer"] == layer
+    assert plan.phases["loss"] == total("loss")
+    assert plan.programs["gradient"] == total("persistent") + total("boundaries") + total(
+        "backward") + max(plan.phases.values())
+    assert plan.programs["optimizer_step"] == total("optimizer_step")
+    # Overlapped (the default with the offloaded optimizer): the update's staging and the MoE
+    # layers' per-layer weights join the gradient program's terms.
+    assert plan.programs["overlapped"] == plan.programs["gradient"] + total("overlap") > 0
+    assert plan.total_bytes == max(plan.programs.values())
+    assert plan.host_bytes == total("host")
+    assert plan.peak_phase == "layer"
+
+
+def test_offload_moves_boundaries_to_the_host():
+    """On a GPU offloading all L boundaries frees L - 2 of them on the device (two come back
+    in backward) and puts L of them in host memory; on CPU the memory kinds lower to nothing,
+    so the plan keeps them on the device."""
+    config = small("model.num_layers=6", "model.num_dense_layers=0")
+    knobs = knobs_of(config)
+    boundary = knobs.tokens_per_device * config.model.hidden * 4
+    none = dataclasses.replace(knobs, offload=(False,) * 6)
+    plans = {name: pl.Plan(config, k, "gpu", tuple(pl.plan_terms(config, k)), None, None)
+             for name, k in (("all", knobs), ("none", none))}
+    assert plans["none"].total_bytes - plans["all"].total_bytes == (6 - 2) * boundary
+    assert plans["all"].host_bytes - plans["none"].host_bytes == 6 * boundary
+    cpu = by_name(pl.plan_terms(config, knobs, platform="cpu"))
+    assert cpu["kept_boundaries"].bytes == 6 * boundary
+    assert cpu["host.offloaded_boundaries"].bytes == 0
+
+
+def test_attention_kernel_sets_the_scores_term():
+    """The XLA kernel's [B_l, Hq / seq, T, T] fp32 probabilities are planned; cuDNN's are
+    not (its statistics are O(N Hq))."""
+    config = small("model.dtype=bfloat16")
+    knobs = knobs_of(config)
+    scores = knobs.tokens_per_device * config.model.num_heads * knobs.context
+    xla = by_name(pl.plan_terms(config, dataclasses.replace(knobs, attention="xla")))
+    cudnn = by_name(pl.plan_terms(config, dataclasses.replace(knobs, attention="cudnn")))
+    assert xla["attention.saved"].bytes == 4 * scores
+    assert xla["attention.backward"].bytes == (4 + 2) * scores
+    assert cudnn["attention.saved"].bytes == 4 * knobs.tokens_per_device * 8
+
+
+# ----------------------------------------------------------------------------------------------
+# The bound against XLA's CPU plan of the trainer's programs.
+
+# The trainer holds the device optimizer's state whole on every device where the plan (and
+# mesh.py's layout) shards it: its init's outputs land on one device and are then replicated,
+# 8 bytes/param of the whole model on each device. Strict: it fails once the trainer is fixed,
+# to be removed then.
+REPLICATED_STATE = pytest.mark.xfail(
+    strict=True, reason="trainer: the device optimizer's mu and nu are replicated, not sharded "
+                        "like the params")
+
+# Each operator on in two cases and off in two.
+VARIANTS = {
+    "all_on": [],
+    "all_off": ALL_OFF,
+    "loss_and_optimizer_off": ["operators.loss=materialized", "operators.optimizer_offload=false"],
+    "moe_and_offload_off": ["operators.moe_dispatch=ep", "operators.offload=none"],
+}
+
+
+@pytest.fixture(scope="module")
+def compiled_programs(tmp_path_factory):
+    """``compiled_step`` of each variant, compiled once for the module's tests."""
+    done = {}
+
+    def get(variant):
+        if variant not in done:
+            done[variant] = compiled_step(small(*VARIANTS[variant]),
+                                          tmp_path_factory.mktemp(variant))
+        return done[variant]
+
+    return get
+
+
+def compiled_step(config, tmp_path):
+    """The trainer's compiled programs' XLA plans: {"gradient": ...} (or the fused step), and
+    with the optimizer offloaded "optimizer_step" and, overlapped, "overlapped"."""
+    from peakflat_jax.train.trainer import Trainer
+
+    trainer = Trainer(config, run_dir=str(tmp_path))
+    state = trainer.initial_state()
+    trainer.compile(state, trainer.global_batch(next(trainer.batches)))
+    programs = {"gradient": compiled_memory(getattr(trainer, "_gradient_step", None)
+                                            or trainer._train_step)}
+    if getattr(trainer, "_overlapped_step", None) is not None:
+        programs["overlapped"] = compiled_memory(trainer._overlapped_step)
+    if trainer.offloaded_optimizer:
+        programs["optimizer_step"] = compiled_memory(
+            trainer.optimizer.lower(state.params, state.opt_state).compile())
+    return programs
+
+
+def moe_alone(config) -> int:
+    """XLA's CPU plan (temporaries) of the configured MoE layer alone, forward + backward, at
+    the step's per-device sizes (tests/test_pipelined_moe.py's harness)."""
+    from test_pipelined_moe import planned_temp
+
+    model, ops = config.model, config.operators
+    options = (dict(balance="none") if ops.moe_dispatch == "ep" else
+               dict(token_budget=ops.token_budget, max_chunks=ops.max_chunks))
+    return planned_temp(8, model.num_experts, knobs_of(config).tokens_per_device, model.top_k,
+                        model.hidden, model.expert_ffn, model.dtype, "xla", **options)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [
+    pytest.param(name, marks=[REPLICATED_STATE] if name == "loss_and_optimizer_off" else [])
+    for name in VARIANTS])
+def test_plan_bounds_the_trainers_compiled_programs(compiled_programs, variant):
+    """The plan's device total is at least XLA's CPU plan of what the trainer compiles
+    (arguments + temporaries + outputs - aliases, ``CompiledMemory.total``; the larger of the
+    gradient program and the optimizer's when the optimizer is offloaded). And the composition
+    is tight: with the MoE's terms replaced by XLA's plan of the MoE alone, the plan is at most
+    1.5x XLA's (the MoE's terms carry their own measured margin, up to 2x their CPU plan in
+    tests/test_pipelined_moe.py, which the planner takes as it is)."""
+    config = small(*VARIANTS[variant])
+    programs = compiled_programs(variant)
+    plan = pl.make_plan(config, 8, platform="cpu", baseline=False, search_context=False)
+    # On CPU the host state is an ordinary argument: leave it out of the device's share.
+    host_state = 12 * pl.model_weights(config.model, 8).param_count
+    xla = {name: program.total - (host_state if name != "gradient" else 0)
+           for name, program in programs.items()}
+    assert set(plan.programs) == set(xla)
+    for name in xla:
+        assert plan.programs[name] >= xla[name], name
+    assert plan.total_bytes >= max(xla.values())
+    exact_moe = [t for t in plan.terms if not t.name.startswith("moe.")]
+    exact_moe.append(pl.Term("moe", moe_alone(config), "layer/ffn", "XLA's plan of the MoE"))
+    ratio = max(pl.program_bytes(exact_moe).values()) / max(xla.values())
+    print(f"{variant}: plan / XLA {plan.total_bytes / max(xla.values()):.3f}, with XLA's plan "
+          f"of the MoE alone {ratio:.3f}")
+    # Measured (SMALL, 8 CPU devices), the trainer with its state and gradients sharded: 1.04 to
+    # 1.09; with the MoE's own terms 1.46 to 2.57, the most where the MoE is in one chunk
+    # (docs/plan.md). Main's trainer holds both whole, which XLA counts and the plan does not.
+    assert ratio <= 1.5, (variant, ratio, plan.programs, xla)
+
+
+# XLA:CPU adds a table of 8 bytes per buffer to the argument and output sizes.
+BOOKKEEPING_BYTES = 512
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [
+    "all_on", pytest.param("loss_and_optimizer_off", marks=REPLICATED_STATE)],
+    ids=["offloaded", "device"])
+def test_persistent_terms_are_the_programs_arguments(compiled_programs, variant):
+    """What the step keeps from one step to the next is exactly the plan's persistent terms:
+    the device step's arguments (weights, fp32 state, router bias, batch), or the gradient
+    program's arguments and outputs (weights in, gradients out)."""
+    config = small(*VARIANTS[variant])
+    optimizer_offload = config.operators.optimizer_offload
+    xla = compiled_programs(variant)["gradient"]
+    terms = by_name(pl.plan_terms(config, knobs_of(config), platform="cpu"))
+    extras = terms["router_bias"].bytes // 2  # the term counts it in and out
+    arguments = terms["params"].bytes + extras + terms["batch"].bytes
+    if not optimizer_offload:
+        arguments += terms["master"].bytes + terms["moments"].bytes
+    assert 0 <= xla.argument - arguments <= BOOKKEEPING_BYTES
+    if optimizer_offload:
+        counts = (config.model.num_layers - config.model.num_dense_layers) * (
+            config.model.num_experts * 4)
+        outputs = terms["grads"].bytes + extras + counts + 8  # + the loss and gradient norm
+        assert 0 <= xla.output - outputs <= BOOKKEEPING_BYTES
+
+
+# ----------------------------------------------------------------------------------------------
+# Knobs: nulls filled, --auto, the largest context.
+
+
+def test_a_null_token_budget_takes_the_fewest_chunks_that_fit():
+    config = small("operators.token_budget=null", "operators.max_chunks=4")
+    n = knobs_of(config).tokens_per_device
+    loose = pl.make_plan(config, 8, platform="cpu", device_memory=64 * MIB, baseline=False,
+                         search_context=False)
+    assert loose.knobs.token_budget == n  # everything fits: one chunk, the fastest
+    one_chunk = pl.plan_terms(config, loose.knobs, platform="cpu")
+    four = dataclasses.replace(loose.knobs, token_budget=-(-n // 4))
+    four_chunks = pl.plan_terms(config, four, platform="cpu")
+    # A memory between the two: the chooser must take more than one chunk, and what it takes
+    # fits while one chunk fewer does not.
+    memory = (max(pl.program_bytes(one_chunk).values())
+              + max(pl.program_bytes(four_chunks).values())) // 2
+    tight = pl.make_plan(config, 8, platform="cpu", device_memory=memory, baseline=False,
+                         search_context=False)
+    chunks = -(-n // tight.knobs.token_budget)
+    assert 1 < chunks <= 4 and tight.feasible
+    fewer = dataclasses.replace(tight.knobs, token_budget=-(-n // (chunks - 1)))
+    assert max(pl.program_bytes(pl.plan_terms(config, fewer, platform="cpu")).values()) > memory
+    assert any(c.key == "operators.token_budget" for c in tight.choices)
+    # Memory unknown: the tightest bound the config allows.
+    unknown = pl.make_plan(config, 8, platform="cpu", baseline=False, search_context=False)
+    assert unknown.knobs.token_budget == -(-n // 4)
+
+
+def test_largest_context_is_the_edge_of_feasibility():
+    config = small()
+    memory = 8 * MIB
+    plan = pl.make_plan(config, 8, platform="cpu", device_memory=memory, baseline=False)
+    largest = plan.largest_context
+    assert largest is not None and largest % plan.knobs.seq == 0
+    at = pl.make_plan(config, 8, context=largest, platform="cpu", device_memory=memory,
+                      baseline=False, search_context=False)
+    assert at.feasible
+    beyond = pl.make_plan(config, 8, context=largest + plan.knobs.seq, platform="cpu",
+                          device_memory=memory, baseline=False, search_context=False)
+    assert not beyond.feasible
+
+
+def test_auto_finds_a_longer_context_and_its_knobs_fit():
+    config = small("operators.optimizer_offload=false", "operators.offload=none")
+    memory, host = 8 * MIB, 64 * MIB
+    fixed = pl.make_plan(config, 8, platform="cpu", device_memory=memory, host_memory=host,
+                         baseline=False)
+    auto = pl.make_plan(config, 8, platform="gpu", device_memory=memory, host_memory=host,
+                        auto=True, baseline=False)
+    fixed_gpu = pl.make_plan(config, 8, platform="gpu", device_memory=memory, host_memory=host,
+                             baseline=False)
+    assert auto.knobs.context >= fixed_gpu.largest_context
+    assert auto.feasible and auto.knobs.context == auto.largest_context
+    keys = {c.key for c in auto.choices}
+    assert {"mesh.data x mesh.seq", "operators.offload", "operators.optimizer_offload",
+            "operators.token_budget"} <= keys
+    assert all(c.why for c in auto.choices)
+    assert fixed.largest_context is not None
+    # At a given context, --auto maximises the sequences per step.
+    at = pl.make_plan(config, 8, context=256, platform="gpu", device_memory=memory,
+                      host_memory=host, auto=True, baseline=False, search_context=False)
+    assert at.feasible and at.knobs.context == 256
+    more = dataclasses.replace(at.knobs, batch_size=at.knobs.batch_size + at.knobs.data)
+    lightest = pl._lightest(config.replace(mesh={"data": at.knobs.data, "seq": at.knobs.seq}),
+                            more, True)
+    assert not pl._fits(config, lightest, "gpu", memory, host)
+
+
+def test_chosen_knobs_keep_the_optimizer_on_the_device_when_it_fits():
+    """Offloading the optimizer costs the link every step, offloading boundaries may: with
+    room, the state and the boundaries stay; with less, the choice offloads and still fits."""
+    config = small()
+    knobs = knobs_of(config, platform="gpu")
+    roomy, choices = pl.choose_knobs(config, knobs, "gpu", 1024 * MIB, 1024 * MIB, auto=True)
+    assert not roomy.optimizer_offload and roomy.num_offloaded == 0
+    assert {c.key for c in choices} >= {"operators.offload", "operators.optimizer_offload"}
+    lightest = pl._lightest(config, knobs, True)
+    light = max(pl.program_bytes(pl.plan_terms(config, lightest)).values())
+    heavy = max(pl.program_bytes(pl.plan_terms(config, roomy)).values())
+    tight, _ = pl.choose_knobs(config, knobs, "gpu", (light + heavy) // 2, 1024 * MIB, auto=True)
+    assert tight != roomy
+    assert max(pl.program_bytes(pl.plan_terms(config, tight)).values()) <= (light + heavy) // 2
+
+
+def test_default_rates_are_their_records():
+    def case(record, **match):
+        cases = json.loads((RESULTS / record).read_text())["cases"]
+        return next(c for c in cases if all(c.get(k) == v for k, v in match.items()))
+
+    rates = pl.Rates()
+    link = case("offload_adamw_gpu_20261130-090838.json", method="link")
+    assert rates.host_link_bytes == 12 * link["num_params"] / link["host_to_device_s"]
+    stream = case("offload_adamw_gpu_20261130-070502.json", method="stream",
+                  bucket_params=rates.optimizer_bucket_params, slots=2)
+    assert rates.optimizer_seconds_per_param == stream["time_s"] / stream["num_params"]
+    pipelined = case("moe_dispatch_gpu_20261130-090350.json", method="pipelined",
+                     membership="strided")
+    llep = case("moe_dispatch_gpu_20261130-090350.json", method="llep")
+    chunks = math.ceil(pipelined["tokens"] / pipelined["token_budget"])
+    assert rates.moe_chunk_seconds == (pipelined["time_s"] - llep["time_s"]) / (chunks - 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The command, the trainer's check, bad input.
+
+
+def run_plan(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = plan_cli.main(list(argv))
+    return status, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("preset, devices", [("paper-120b", 16), ("paper-241b", 32),
+                                             ("paper-667b", 64)])
+def test_paper_presets_fit_at_one_million_tokens_with_the_operators_only(preset, devices):
+    """H200s (139 GiB) with a per-device share of the paper's hosts (240 GiB), at the paper's
+    device counts: feasible with the operators, not without (SPEC.md, Composition)."""
+    status, out, _ = run_plan(preset, "--context", "1048576", "--devices", str(devices),
+                              "--device-memory", "139", "--host-memory", "240", "--json")
+    result = json.loads(out)
+    assert status == 0 and result["feasible"] is True
+    assert result["total_bytes"] <= result["device_bytes"] == 139 * 2**30
+    assert result["baseline"]["feasible"] is False
+    assert set(result["terms"]) and sum(result["terms"].values()) >= result["total_bytes"]
+    assert set(result["baseline"]) >= {"terms", "total_bytes", "feasible"}
+    assert result["largest_context"] >= 1048576
+    assert result["knobs"]["operators.token_budget"] is not None  # filled by the rule
+
+
+def test_table_names_every_term_and_the_verdict():
+    status, out, _ = run_plan("tiny", *SMALL, "--device-memory", "1", "--platform", "cpu",
+                              "--devices", "8")
+    assert status == 0
+    for name in ("params", "kept_boundaries", "moe.dispatch", "loss.strips", "loss.logits",
+                 "embedding_table", "host.optimizer_state", "operators on", "baseline"):
+        assert name in out
+    assert "fits" in out
+
+
+def test_check_plan_refuses_with_the_table_and_what_to_change():
+    config = small("operators.offload=none", "operators.optimizer_offload=false")
+    with pytest.raises(pl.DoesNotFit) as refused:
+        pl.check_plan(config, mop.make_mesh(config.mesh), device_memory=1 * MIB)
+    message = str(refused.value)
+    assert "kept_boundaries" in message and "to change" in message
+    plan = pl.check_plan(config, 8, device_memory=64 * MIB)
+    assert plan.feasible and plan.knobs.token_budget == 16
+    # On CPU the device does not say its memory: only the host is checked.
+    assert pl.check_plan(config, jax.devices()).feasible is None
+    assert pl.device_total_bytes(config, 8) == pl.check_plan(config, 8).total_bytes
+    # The trainer runs the plan's knobs: a null budget comes back filled.
+    null = small("operators.token_budget=null")
+    filled = pl.check_plan(null, 8, device_memory=64 * MIB).filled_config()
+    assert filled.operators.token_budget == knobs_of(null).tokens_per_device  # one chunk fits
+    assert dataclasses.replace(filled.operators, token_budget=None) == null.operators
+    assert filled.model == null.model and filled.mesh.data == null.mesh.data
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--context", "102", "--devices", "8"], "context: 102 tokens do not split over mesh.seq"),
+    (["--context", "-4", "--devices", "8"], "--context"),
+    (["--devices", "0"], "--devices"),
+    (["--device-memory", "-2", "--devices", "8"], "--device-memory"),
+    (["--host-memory", "0", "--devices", "8"], "--host-memory"),
+    (["--devices", "8", "--platform", "cpu", "--rate", "nope=1"], "--rate"),
+    (["--devices", "6"], "there are 6 devices"),
+])
+def test_bad_input_is_named(argv, message):
+    memory = [] if "--device-memory" in argv else ["--device-memory", "1"]
+    status, _, err = run_plan("tiny", *argv, *memory)
+    assert status == 2 and message in err, err
+
+
+def test_unknown_device_memory_on_cpu_is_an_error():
+    status, _, err = run_plan("tiny", "--devices", "8")
+    assert status == 2 and "--device-memory" in err and "GiB" in err
+
+
+def test_bad_sizes_in_the_config_are_named():
+    with pytest.raises(ConfigError, match="data.seq_len"):
+        small("data.seq_len=-8")
+    with pytest.raises(pl.PlanError, match="devices"):
+        pl.make_plan(small(), -1, platform="cpu")
+    with pytest.raises(pl.PlanError, match="device_memory"):
+        pl.make_plan(small(), 8, platform="cpu", device_memory=-5)
