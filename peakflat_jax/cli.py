@@ -91,7 +91,11 @@ def _train(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config, args.overrides)
+        from peakflat_jax import mesh
         from peakflat_jax.train.trainer import DoesNotFit, train
+
+        mesh.initialize_distributed(config.mesh)  # before anything starts a backend
+        enable_compilation_cache()
 
         train(config, resume=args.resume, run_dir=args.run_dir,
               progress=False if args.no_progress else None)
@@ -185,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     _prepare_environment()
     if args.command == "train":
-        enable_compilation_cache()
         return _train(args)
     if args.command == "plan":
         return plan_cli.run(args)

@@ -1195,9 +1195,11 @@ def _reasons(plan: Plan) -> list[str]:
 
 
 def read_device_memory(devices=None) -> int | None:
-    """The allocator's limit of the first local device (``bytes_limit``); None where the
-    backend does not say (CPU)."""
-    device = (list(devices) if devices is not None else jax.local_devices())[0]
+    """The allocator's limit of the first of ``devices`` this process holds (``bytes_limit``);
+    None where the backend does not say (CPU)."""
+    local = [d for d in (devices if devices is not None else jax.local_devices())
+             if d.process_index == jax.process_index()]
+    device = local[0]
     stats = device.memory_stats()
     return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 

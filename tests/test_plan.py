@@ -167,14 +167,6 @@ def test_attention_kernel_sets_the_scores_term():
 # ----------------------------------------------------------------------------------------------
 # The bound against XLA's CPU plan of the trainer's programs.
 
-# The trainer holds the device optimizer's state whole on every device where the plan (and
-# mesh.py's layout) shards it: its init's outputs land on one device and are then replicated,
-# 8 bytes/param of the whole model on each device. Strict: it fails once the trainer is fixed,
-# to be removed then.
-REPLICATED_STATE = pytest.mark.xfail(
-    strict=True, reason="trainer: the device optimizer's mu and nu are replicated, not sharded "
-                        "like the params")
-
 # Each operator on in two cases and off in two.
 VARIANTS = {
     "all_on": [],
@@ -229,9 +221,7 @@ def moe_alone(config) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [
-    pytest.param(name, marks=[REPLICATED_STATE] if name == "loss_and_optimizer_off" else [])
-    for name in VARIANTS])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_plan_bounds_the_trainers_compiled_programs(compiled_programs, variant):
     """The plan's device total is at least XLA's CPU plan of what the trainer compiles
     (arguments + temporaries + outputs - aliases, ``CompiledMemory.total``; the larger of the
@@ -267,7 +257,7 @@ BOOKKEEPING_BYTES = 512
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", [
-    "all_on", pytest.param("loss_and_optimizer_off", marks=REPLICATED_STATE)],
+    "all_on", "loss_and_optimizer_off"],
     ids=["offloaded", "device"])
 def test_persistent_terms_are_the_programs_arguments(compiled_programs, variant):
     """What the step keeps from one step to the next is exactly the plan's persistent terms:

@@ -22,15 +22,16 @@ from peakflat_jax.train.trainer import Trainer, moe_leaf_indices
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
-# A small model that still has every part: a dense layer and two MoE layers, GQA, a shared
-# expert, bias balancing, packed documents.
+# A small model that still has every part: a dense layer and an MoE layer, GQA, a shared expert,
+# bias balancing, packed documents. The tests share its compiled programs (the trainer reuses a
+# program within a process for what it depends on), so they keep train.steps = 4.
 SMALL = [
-    "model.hidden=64", "model.num_layers=3", "model.num_dense_layers=1", "model.dense_ffn=128",
+    "model.hidden=64", "model.num_layers=2", "model.num_dense_layers=1", "model.dense_ffn=128",
     "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=8", "model.num_experts=8",
     "model.top_k=2", "model.expert_ffn=32", "model.shared_expert_ffn=32",
     "data.seq_len=64", "data.batch_size=8", "data.max_segments=8",
     "operators.token_budget=16", "optimizer.warmup_steps=1", "optimizer.bucket_params=20000",
-    "train.steps=3",
+    "train.steps=4",
 ]
 ALL_OFF = ["operators.moe_dispatch=ep", "operators.loss=materialized", "operators.offload=none",
            "operators.optimizer_offload=false"]
@@ -40,25 +41,31 @@ def small_config(*overrides: str):
     return load_config("tiny", [*SMALL, *overrides])
 
 
-def gradients(trainer: Trainer, state, batch):
-    loss, _, grads, _, _ = jax.jit(trainer._gradients)(state.params, state.extras, batch)
-    return float(loss), jax.tree.leaves(grads)
+def first_gradients(config, run_dir):
+    """Loss and gradients of the first batch at the initial weights, from the trainer's compiled
+    gradient program (the optimizer offloaded: where its state lives changes no gradient)."""
+    config = config.replace(operators={"optimizer_offload": True, "optimizer_overlap": False})
+    trainer = Trainer(config, run_dir=run_dir)
+    state = trainer.initial_state()
+    batch = trainer.global_batch(next(trainer.batches))
+    trainer.compile(state, batch)
+    metrics, grads, _ = trainer._gradient_step(state.params, state.extras, batch)
+    return float(metrics["loss"]), jax.tree.leaves(grads)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", [("mesh.data=1", "mesh.seq=8"), ("mesh.data=2", "mesh.seq=4")],
                          ids=["1d", "2d"])
 def test_operators_change_no_number(tmp_path, mesh):
-    """All four operators on against all off (the standard stack): the same loss and gradients
-    at the first step, and the same losses over three steps (fp32, relative 1e-5)."""
+    """All four operators on against all off (the standard stack, optax on the device): the
+    same loss and gradients at the first step, and the same losses over three steps (fp32,
+    relative 1e-5)."""
     results = {}
     for name, switches in (("on", []), ("off", ALL_OFF)):
         config = small_config(*mesh, *switches)
+        results[name] = first_gradients(config, str(tmp_path / f"{name}-gradients"))
         trainer = Trainer(config, run_dir=str(tmp_path / name))
-        state = trainer.initial_state()
-        results[name] = gradients(trainer, state, trainer.global_batch(next(trainer.batches)))
-        trainer = Trainer(config, run_dir=str(tmp_path / name))
-        results[name + "_losses"] = trainer.run(progress=False)["losses"]
+        results[name + "_losses"] = trainer.run(progress=False, stop_after=3)["losses"]
     (loss_on, grads_on), (loss_off, grads_off) = results["on"], results["off"]
     assert abs(loss_on - loss_off) <= 1e-5 * abs(loss_off)
     for on, off in zip(grads_on, grads_off):
@@ -85,15 +92,13 @@ def leaves_of(trainer_state):
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer_offload", [True, False], ids=["offloaded", "device"])
 def test_resume_is_exact(tmp_path, optimizer_offload):
-    """6 steps straight equal 3 steps, a checkpoint, and 3 resumed steps: bit for bit."""
+    """4 steps straight equal 2 steps, a checkpoint, and 2 resumed steps: bit for bit."""
     switch = f"operators.optimizer_offload={str(optimizer_offload).lower()}"
-    straight = Trainer(small_config(switch, "train.steps=6"), run_dir=str(tmp_path / "a"))
+    config = small_config(switch, "train.checkpoint_every=2")
+    straight = Trainer(config, run_dir=str(tmp_path / "a"))
     summary = straight.run(progress=False)
-    first = Trainer(small_config(switch, "train.steps=6", "train.checkpoint_every=3"),
-                    run_dir=str(tmp_path / "b"))
-    half = first.run(progress=False, stop_after=3)  # interrupted after the checkpoint at 3
-    resumed = Trainer(small_config(switch, "train.steps=6", "train.checkpoint_every=3"),
-                      run_dir=str(tmp_path / "b"))
+    half = Trainer(config, run_dir=str(tmp_path / "b")).run(progress=False, stop_after=2)
+    resumed = Trainer(config, run_dir=str(tmp_path / "b"))
     rest = resumed.run(resume=True, progress=False)
     assert half["losses"] + rest["losses"] == summary["losses"]
     chex.assert_trees_all_equal(leaves_of(straight.final_state), leaves_of(resumed.final_state))
@@ -109,7 +114,8 @@ def run_cli(args, env=None, timeout=900):
 def test_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path):
     """A run killed while its step-4 checkpoint is being written resumes from step 2's and
     computes steps 3 and 4 again, to the same losses the killed run logged."""
-    common = ["train", "tiny", *SMALL, "train.steps=4", "train.checkpoint_every=2",
+    # The model does not matter here: a one-layer dense one compiles fastest.
+    common = ["train", "tiny", *SMALL, "model.num_layers=1", "train.checkpoint_every=2",
               "--run-dir", str(tmp_path), "--no-progress"]
     killed = run_cli(common, env={"PEAKFLAT_TEST_EXIT_DURING_SAVE": "4"})
     assert killed.returncode == 17, killed.stderr[-2000:]
@@ -192,7 +198,7 @@ def test_overlapped_optimizer_changes_no_bit(tmp_path):
     """The optimizer's update inside the next step's program (operators.optimizer_overlap) gives
     the plain path's losses, weights and optimizer state bit for bit, with clipping and a
     schedule, across a checkpoint and a resume; and its staging stays within the slots."""
-    common = ["train.steps=4", "optimizer.max_grad_norm=0.5", "optimizer.warmup_steps=2"]
+    common = ["optimizer.max_grad_norm=0.5", "optimizer.warmup_steps=2"]
     plain = Trainer(small_config(*common, "operators.optimizer_overlap=false"),
                     run_dir=str(tmp_path / "plain"))
     expected = plain.run(progress=False)["losses"]

@@ -43,11 +43,12 @@ class Checkpoints:
     def save(self, state, batches, optimizer) -> None:
         items = dict(
             params=ocp.args.StandardSave(state.params),
-            extras=ocp.args.StandardSave(state.extras),
-            opt_state=ocp.args.StandardSave(_opt_for_checkpoint(optimizer, state.opt_state)),
+            opt_state=ocp.args.StandardSave(state.opt_state),
             data=grain.checkpoint.CheckpointSave(batches),
             meta=ocp.args.JsonSave({"step": state.step, "config": to_dict(self.config),
                                     "optimizer": _opt_metadata(optimizer, state.opt_state)}))
+        if jax.tree.leaves(state.extras):  # a model without MoE layers has no router bias
+            items["extras"] = ocp.args.StandardSave(state.extras)
         self._manager.save(state.step, args=ocp.args.Composite(**items))
         kill_at = os.environ.get("PEAKFLAT_TEST_EXIT_DURING_SAVE")
         if kill_at and int(kill_at) == state.step:  # tests: a run killed while a save runs
@@ -66,17 +67,18 @@ class Checkpoints:
         _check_opt_metadata(optimizer, state.opt_state, meta["optimizer"])
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, dict(
             params=state.params, extras=state.extras,
-            opt_state=_opt_for_checkpoint(optimizer, state.opt_state)))
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract["params"]),
-            extras=ocp.args.StandardRestore(abstract["extras"]),
-            opt_state=ocp.args.StandardRestore(abstract["opt_state"]),
-            data=grain.checkpoint.CheckpointRestore(batches)))
-        opt_state = _opt_from_checkpoint(optimizer, restored["opt_state"], state.opt_state)
+            opt_state=state.opt_state))
+        items = dict(params=ocp.args.StandardRestore(abstract["params"]),
+                     opt_state=ocp.args.StandardRestore(abstract["opt_state"]),
+                     data=grain.checkpoint.CheckpointRestore(batches))
+        if jax.tree.leaves(state.extras):
+            items["extras"] = ocp.args.StandardRestore(abstract["extras"])
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        restored_extras = restored["extras"] if "extras" in items else state.extras
         # Every array where the fresh state keeps it (orbax may restore a leaf replicated).
         params, extras, opt_state = jax.tree.map(
             lambda array, like: jax.device_put(array, like.sharding),
-            (restored["params"], restored["extras"], opt_state),
+            (restored["params"], restored_extras, restored["opt_state"]),
             (state.params, state.extras, state.opt_state))
         return type(state)(params, extras, opt_state, meta["step"])
 
@@ -84,16 +86,6 @@ class Checkpoints:
         if self._manager is not None:
             self._manager.wait_until_finished()
             self._manager.close()
-
-
-def _opt_for_checkpoint(optimizer, opt_state):
-    adapter = getattr(optimizer, "state_for_checkpoint", None)
-    return adapter(opt_state) if adapter else opt_state
-
-
-def _opt_from_checkpoint(optimizer, restored, like):
-    adapter = getattr(optimizer, "state_from_checkpoint", None)
-    return adapter(restored, like=like) if adapter else restored
 
 
 def _opt_metadata(optimizer, opt_state) -> dict:

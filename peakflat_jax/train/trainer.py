@@ -34,27 +34,23 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from peakflat_jax import mesh as mop
-from peakflat_jax.config import Config, ConfigError, offload_count, to_dict
+from peakflat_jax.config import Config, ConfigError, to_dict
 from peakflat_jax.model.attention import choose_implementation
 from peakflat_jax.model.decoder import IGNORE
 from peakflat_jax.model.layers import Runtime
 from peakflat_jax.model.sharding import init_model
 from peakflat_jax.model.size import model_flops_per_token
-from peakflat_jax.ops.sco import HostBudget, PerLayer
+from peakflat_jax.ops.sco import PerLayer
+from peakflat_jax.plan import DoesNotFit, check_plan, offload_flags
 from peakflat_jax.train import checkpoint as ckpt
 from peakflat_jax.train import data as data_pipeline
 from peakflat_jax.train import metrics as report
 from peakflat_jax.train.optimizer import DeviceAdamW, learning_rate_schedule, make_offloaded
 
-_PROGRAM_NAMES = ("_gradient_step", "_overlapped_step", "_train_step", "xla_plan")
-_PROGRAMS: dict[tuple, dict] = {}
-"""The compiled step programs of this process, by config and devices."""
+_PROGRAMS: dict[tuple, object] = {}
+"""The compiled step programs of this process, by what each depends on (``_program_key``)."""
 _OPTIMIZERS: dict[tuple, object] = {}
 """The offloaded optimizer of each config in this process (it holds its compiled step)."""
-
-
-class DoesNotFit(RuntimeError):
-    """A configuration whose step needs more device memory than there is."""
 
 
 @dataclasses.dataclass
@@ -72,18 +68,10 @@ class TrainState:
 
 
 def boundary_offload(config: Config, mesh) -> tuple[bool, ...]:
-    """``operators.offload`` as L bools. A host budget (GiB per device) counts one device's
-    share of a boundary: N tokens x H x bytes (plus the carry's small extras)."""
-    chosen = offload_count(config)
-    layers = config.model.num_layers
-    if isinstance(chosen, HostBudget):
-        tokens = config.data.batch_size * config.data.seq_len // mop.num_devices(mesh)
-        boundary = tokens * config.model.hidden * jnp.dtype(config.model.dtype).itemsize
-        count = min(layers, chosen.bytes // boundary)
-        return tuple(i < count for i in range(layers))
-    if isinstance(chosen, tuple):
-        return chosen
-    return tuple(i < chosen for i in range(layers))
+    """``operators.offload`` as L bools (the planner's rule: a host budget in GiB per device
+    takes as many leading boundaries as it holds)."""
+    tokens = config.data.batch_size * config.data.seq_len // mop.num_devices(mesh)
+    return offload_flags(config, tokens)
 
 
 def runtime_for(config: Config, mesh) -> Runtime:
@@ -108,10 +96,14 @@ class Trainer:
     """One run: ``Trainer(config).run(resume=False) -> summary``."""
 
     def __init__(self, config: Config, *, run_dir: str | None = None):
-        self.config = config
         mop.initialize_distributed(config.mesh)
         self.mesh = mop.make_mesh(config.mesh)
         mop.check_model_fits_mesh(config, self.mesh)
+        # The planner's closed-form bound before anything compiles: an infeasible config is
+        # refused with its table of terms; knobs left null (token_budget, vocab_block) are
+        # filled as planned.
+        self.plan = check_plan(config, self.mesh)
+        self.config = config = self.plan.filled_config()
         self.runtime = runtime_for(config, self.mesh)
         self.offload = boundary_offload(config, self.mesh)
         self.run_dir = pathlib.Path(run_dir or config.train.run_dir.format(name=config.name))
@@ -135,8 +127,9 @@ class Trainer:
         params, extras = split_model_state(state)
         if self.offloaded_optimizer:
             # One optimizer object per config in a process: its compiled step is reused.
+            key = (json.dumps(to_dict(self.config.optimizer), sort_keys=True), self.total_steps)
             self.optimizer = _OPTIMIZERS.setdefault(
-                self._program_key(), make_offloaded(self.config.optimizer, self.total_steps))
+                key, make_offloaded(self.config.optimizer, self.total_steps))
             # Each MoE layer's weights form their own buckets (layer groups), in both modes, so
             # that overlapping changes no bit.
             opt_state = self.optimizer.init(params, stacked_layers=moe_stack_mask(params))
@@ -178,65 +171,78 @@ class Trainer:
         return loss, counts, grads, grad_norm, self._balanced_extras(extras, counts)
 
     def compile(self, state: TrainState, batch) -> None:
-        """Compiles the step's programs and checks XLA's plan against the device's memory.
-        Programs compiled earlier in this process for the same config and devices (a resumed
-        run, a test) are reused."""
-        key = self._program_key()
-        if key in _PROGRAMS:
-            for name, value in _PROGRAMS[key].items():
-                setattr(self, name, value)
-            self._check_fits(None, "the step")
-            return
-        self._compile(state, batch)
-        _PROGRAMS[key] = {name: getattr(self, name) for name in _PROGRAM_NAMES
-                          if hasattr(self, name)}
-
-    def _program_key(self) -> tuple:
-        return (json.dumps(to_dict(self.config), sort_keys=True),
-                tuple(d.id for d in np.asarray(self.mesh.devices).flat))
-
-    def _compile(self, state: TrainState, batch) -> None:
+        """Compiles the step's programs and checks XLA's plan of each against the device's
+        memory. A program compiled earlier in this process for what it depends on (the
+        gradient program: model, mesh, data and operators; the steps that update: the optimizer
+        and the step count too) is reused: a resumed run, a test, a benchmark's modes."""
+        grad_shardings = jax.tree.map(lambda a: a.sharding, state.params)
+        kept = jax.tree.map(lambda a: a.sharding, (state.params, state.extras))
         if self.offloaded_optimizer:
             def gradient_step(params, extras, batch):
                 loss, counts, grads, grad_norm, extras = self._gradients(params, extras, batch)
                 return dict(loss=loss, grad_norm=grad_norm, counts=counts), grads, extras
 
-            grad_shardings = jax.tree.map(lambda a: a.sharding, state.params)
-            extras_shardings = jax.tree.map(lambda a: a.sharding, state.extras)
-            self._gradient_step = jax.jit(
-                gradient_step, donate_argnums=(1,),
-                out_shardings=(None, grad_shardings, extras_shardings)).lower(
-                state.params, state.extras, batch).compile()
-            self._check_fits(self._gradient_step, "the loss and gradient program")
+            self._gradient_step = self._compiled(
+                "gradient_step", lambda: jax.jit(
+                    gradient_step, donate_argnums=(1,),
+                    out_shardings=(None, grad_shardings, kept[1])).lower(
+                    state.params, state.extras, batch).compile(),
+                "the loss and gradient program")
             if self.overlap:
-                kept = jax.tree.map(lambda a: a.sharding, (state.params, state.extras))
-                self._overlapped_step = jax.jit(
-                    self._overlapped, donate_argnums=(0, 1, 2, 3),
-                    out_shardings=(*kept, self.optimizer.state_shardings(state.opt_state),
-                                   grad_shardings, None)).lower(
-                    state.params, state.extras, state.opt_state, state.params, batch).compile()
-                self._check_fits(self._overlapped_step, "the overlapped step")
-        else:
-            def train_step(params, extras, opt_state, batch):
-                loss, counts, grads, grad_norm, extras = self._gradients(params, extras, batch)
-                params, opt_state = self.optimizer.update(grads, params, opt_state)
-                return params, extras, opt_state, dict(loss=loss, grad_norm=grad_norm,
-                                                       counts=counts)
+                self._overlapped_step = self._compiled(
+                    "overlapped_step", lambda: jax.jit(
+                        self._overlapped, donate_argnums=(0, 1, 2, 3),
+                        out_shardings=(*kept, self.optimizer.state_shardings(state.opt_state),
+                                       grad_shardings, None)).lower(
+                        state.params, state.extras, state.opt_state, state.params,
+                        batch).compile(),
+                    "the overlapped step")
+            return
 
-            # The state comes out where it went in: each step's inputs match the compiled ones.
-            kept = jax.tree.map(lambda a: a.sharding, (state.params, state.extras,
-                                                       state.opt_state))
-            self._train_step = jax.jit(train_step, donate_argnums=(0, 1, 2),
-                                       out_shardings=(*kept, None)).lower(
-                state.params, state.extras, state.opt_state, batch).compile()
-            self._check_fits(self._train_step, "the train step")
+        def train_step(params, extras, opt_state, batch):
+            loss, counts, grads, grad_norm, extras = self._gradients(params, extras, batch)
+            params, opt_state = self.optimizer.update(grads, params, opt_state)
+            return params, extras, opt_state, dict(loss=loss, grad_norm=grad_norm,
+                                                   counts=counts)
+
+        # The state comes out where it went in: each step's inputs match the compiled ones.
+        opt_shardings = jax.tree.map(lambda a: a.sharding, state.opt_state)
+        self._train_step = self._compiled(
+            "train_step", lambda: jax.jit(
+                train_step, donate_argnums=(0, 1, 2),
+                out_shardings=(*kept, opt_shardings, None)).lower(
+                state.params, state.extras, state.opt_state, batch).compile(),
+            "the train step")
+
+    def _program_key(self, program: str) -> tuple:
+        """What a compiled program depends on: the config without the loop's bookkeeping (and,
+        for the gradient program, without the optimizer), and the devices."""
+        config = to_dict(self.config)
+        config.pop("name")
+        config["train"] = {"steps": config["train"]["steps"]}
+        if program == "gradient_step":
+            config.pop("optimizer")
+            config.pop("train")
+            for field in ("optimizer_offload", "optimizer_overlap"):
+                config["operators"].pop(field)
+        return (program, json.dumps(config, sort_keys=True),
+                tuple(d.id for d in np.asarray(self.mesh.devices).flat))
+
+    def _compiled(self, program: str, compile_it, what: str):
+        """The program compiled (or reused), its XLA plan checked against the device."""
+        key = self._program_key(program)
+        if key not in _PROGRAMS:
+            _PROGRAMS[key] = compile_it()
+        self._check_fits(_PROGRAMS[key], what)
+        return _PROGRAMS[key]
 
     def _check_fits(self, compiled, what: str) -> None:
         from peakflat_jax.memory import compiled_memory
 
         limit = self.device_memory()
-        plan = self.xla_plan if compiled is None else compiled_memory(compiled)
-        self.xla_plan = plan
+        plan = compiled_memory(compiled)
+        if getattr(self, "xla_plan", None) is None or plan.total > self.xla_plan.total:
+            self.xla_plan = plan  # the largest of the step's programs
         if limit is not None and plan.total > limit:
             raise DoesNotFit(
                 f"{what} needs {plan.total / 2**30:.2f} GiB per device by XLA's plan "
@@ -364,6 +370,7 @@ class Trainer:
         peak = report.peak_flops(jax.devices()[0], config.model.dtype)
         history = []
         compiled = False
+        wait_for_every_process("peakflat-started")  # before the first collective
         try:
             while state.step < last_step:
                 batch = self.global_batch(next(self.batches))
@@ -373,6 +380,7 @@ class Trainer:
                     self.compile(state, batch)
                     bar.write(f"compiled in {time.perf_counter() - started:.1f} s; XLA's plan "
                               f"{self.xla_plan.total / 2**30:.3f} GiB per device")
+                    wait_for_every_process("peakflat-compiled")
                     compiled = True
                 if valid == 0:  # mean over no token: NaN; report it, keep the weights
                     bar.write(f"step {state.step + 1}: batch without a valid target, skipped")
@@ -448,6 +456,18 @@ class Trainer:
             "devices": mop.num_devices(self.mesh),
             "device_kind": jax.devices()[0].device_kind,
         }
+
+
+def wait_for_every_process(name: str) -> None:
+    """A barrier of the processes of a multi-process run (none for one process), through the
+    coordination service, which waits as long as a compile takes. The step's first collective
+    would wait too, but the CPU's gloo collectives give up after 30 s: a process that finished
+    compiling (or initializing) that much earlier than another failed the run."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier(name, timeout_in_ms=3_600_000)
 
 
 def shardings_like_params(tree, params, other):
