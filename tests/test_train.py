@@ -92,12 +92,12 @@ def leaves_of(trainer_state):
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer_offload", [True, False], ids=["offloaded", "device"])
 def test_resume_is_exact(tmp_path, optimizer_offload):
-    """4 steps straight equal 2 steps, a checkpoint, and 2 resumed steps: bit for bit."""
+    """6 steps straight equal 3 steps, a checkpoint, and 3 resumed steps: bit for bit."""
     switch = f"operators.optimizer_offload={str(optimizer_offload).lower()}"
-    config = small_config(switch, "train.checkpoint_every=2")
+    config = small_config(switch, "train.steps=6", "train.checkpoint_every=3")
     straight = Trainer(config, run_dir=str(tmp_path / "a"))
     summary = straight.run(progress=False)
-    half = Trainer(config, run_dir=str(tmp_path / "b")).run(progress=False, stop_after=2)
+    half = Trainer(config, run_dir=str(tmp_path / "b")).run(progress=False, stop_after=3)
     resumed = Trainer(config, run_dir=str(tmp_path / "b"))
     rest = resumed.run(resume=True, progress=False)
     assert half["losses"] + rest["losses"] == summary["losses"]
@@ -155,6 +155,16 @@ def test_two_processes_give_the_losses_of_one(tmp_path):
     losses_one = json.loads((tmp_path / "one" / "summary.json").read_text())["losses"]
     losses_two = json.loads((tmp_path / "two" / "summary.json").read_text())["losses"]
     np.testing.assert_allclose(losses_two, losses_one, rtol=1e-5)
+
+
+def test_a_config_that_does_not_fit_is_refused_before_compiling(tmp_path):
+    """The planner's closed form, before anything compiles: the table of terms and what to
+    change, exit status 2, and no compiled program (the run stops in well under a compile)."""
+    refused = run_cli(["train", "tiny", *SMALL, "train.device_memory_gib=0.0001",
+                       "--no-progress", "--run-dir", str(tmp_path)], timeout=120)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "does not fit" in refused.stderr and "to change:" in refused.stderr, refused.stderr
+    assert "compiled in" not in refused.stdout + refused.stderr
 
 
 @pytest.mark.parametrize("overrides, key", [
