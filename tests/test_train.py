@@ -24,7 +24,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # A small model that still has every part: a dense layer and an MoE layer, GQA, a shared expert,
 # bias balancing, packed documents. The tests share its compiled programs (the trainer reuses a
-# program within a process for what it depends on), so they keep train.steps = 4.
+# program within a process for what it depends on, train.steps included), so most keep its 4.
 SMALL = [
     "model.hidden=64", "model.num_layers=2", "model.num_dense_layers=1", "model.dense_ffn=128",
     "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=8", "model.num_experts=8",

@@ -105,6 +105,7 @@ class Trainer:
         self.plan = check_plan(config, self.mesh)
         self.config = config = self.plan.filled_config()
         self.runtime = runtime_for(config, self.mesh)
+        self.xla_plan = None  # XLA's plan of the largest compiled program, once compiled
         self.offload = boundary_offload(config, self.mesh)
         self.run_dir = pathlib.Path(run_dir or config.train.run_dir.format(name=config.name))
         self.total_steps = config.train.steps
@@ -175,8 +176,8 @@ class Trainer:
         memory. A program compiled earlier in this process for what it depends on (the
         gradient program: model, mesh, data and operators; the steps that update: the optimizer
         and the step count too) is reused: a resumed run, a test, a benchmark's modes."""
-        grad_shardings = jax.tree.map(lambda a: a.sharding, state.params)
         kept = jax.tree.map(lambda a: a.sharding, (state.params, state.extras))
+        params_shardings, extras_shardings = kept  # gradients are placed as the params
         if self.offloaded_optimizer:
             def gradient_step(params, extras, batch):
                 loss, counts, grads, grad_norm, extras = self._gradients(params, extras, batch)
@@ -185,7 +186,7 @@ class Trainer:
             self._gradient_step = self._compiled(
                 "gradient_step", lambda: jax.jit(
                     gradient_step, donate_argnums=(1,),
-                    out_shardings=(None, grad_shardings, kept[1])).lower(
+                    out_shardings=(None, params_shardings, extras_shardings)).lower(
                     state.params, state.extras, batch).compile(),
                 "the loss and gradient program")
             if self.overlap:
@@ -193,7 +194,7 @@ class Trainer:
                     "overlapped_step", lambda: jax.jit(
                         self._overlapped, donate_argnums=(0, 1, 2, 3),
                         out_shardings=(*kept, self.optimizer.state_shardings(state.opt_state),
-                                       grad_shardings, None)).lower(
+                                       params_shardings, None)).lower(
                         state.params, state.extras, state.opt_state, state.params,
                         batch).compile(),
                     "the overlapped step")
@@ -241,7 +242,7 @@ class Trainer:
 
         limit = self.device_memory()
         plan = compiled_memory(compiled)
-        if getattr(self, "xla_plan", None) is None or plan.total > self.xla_plan.total:
+        if self.xla_plan is None or plan.total > self.xla_plan.total:
             self.xla_plan = plan  # the largest of the step's programs
         if limit is not None and plan.total > limit:
             raise DoesNotFit(
@@ -452,7 +453,7 @@ class Trainer:
             "peak_device_bytes": max((r["peak_device_bytes"] or 0 for r in history),
                                      default=None) or None,
             "host_bytes": max((r["host_bytes"] for r in history), default=0),
-            "xla_plan_bytes": getattr(self, "xla_plan", None) and self.xla_plan.total,
+            "xla_plan_bytes": self.xla_plan and self.xla_plan.total,
             "devices": mop.num_devices(self.mesh),
             "device_kind": jax.devices()[0].device_kind,
         }
