@@ -181,6 +181,9 @@ class OperatorsConfig:
     program after the gradients."""
     attention: Literal["auto", "cudnn", "xla"] = "auto"
     """Attention kernel: cuDNN flash attention on GPU, XLA elsewhere (``auto``)."""
+    layer_loop: Literal["scan", "unrolled"] = "scan"
+    """How the layer stack is traced (``pf.sco_scan``'s ``loop``): ``scan`` compiles one layer
+    whatever the depth; ``unrolled`` traces every layer (compile time grows with depth)."""
 
     @property
     def all_off(self) -> OperatorsConfig:

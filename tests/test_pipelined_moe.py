@@ -368,7 +368,8 @@ def test_bad_input_names_the_argument(change, argument):
 
 
 def producers(jaxpr, outvars):
-    """The primitives of the equations that ``outvars`` depend on, transitively (one level)."""
+    """The primitives of the equations that ``outvars`` depend on, transitively (one level,
+    and every primitive inside such an equation's nested jaxprs: a cond's branches)."""
     made_by = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     seen, stack, names = set(), [v for v in outvars if v in made_by], set()
     while stack:
@@ -377,8 +378,18 @@ def producers(jaxpr, outvars):
             continue
         seen.add(id(eqn))
         names.add(eqn.primitive.name)
+        names.update(inner.primitive.name for inner in iter_eqns_of(eqn))
         stack += [v for v in eqn.invars if not hasattr(v, "val") and v in made_by]
     return names
+
+
+def iter_eqns_of(eqn):
+    """The equations of the jaxprs nested in ``eqn`` (none for a plain primitive)."""
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, (list, tuple)) else [value]:
+            inner = getattr(sub, "jaxpr", sub)
+            if hasattr(inner, "eqns"):
+                yield from iter_eqns(inner)
 
 
 def test_next_dispatch_is_independent_of_this_chunks_matmuls(rng):

@@ -48,9 +48,13 @@ def draw_routed(rng):
     return carry, params, cotangent
 
 
-def sco_stack(offload):
-    """``pf.sco_scan`` with ``offload`` fixed, called like ``checkpointed_scan``."""
-    return lambda layer_fn, carry, params: pf.sco_scan(layer_fn, carry, params, offload=offload)
+LOOPS = ["scan", "unrolled"]
+
+
+def sco_stack(offload, loop="scan"):
+    """``pf.sco_scan`` with ``offload`` and ``loop`` fixed, called like ``checkpointed_scan``."""
+    return lambda layer_fn, carry, params: pf.sco_scan(layer_fn, carry, params, offload=offload,
+                                                       loop=loop)
 
 
 def checkpointed_scan(layer_fn, carry, params):
@@ -80,9 +84,11 @@ OFFLOADS = [0, 2, LAYERS, [True, False, True, False, True], [False] * 4 + [True]
 
 
 @pytest.mark.parametrize("offload", OFFLOADS, ids=str)
-def test_equals_checkpointed_scan(rng, offload):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_equals_checkpointed_scan(rng, offload, loop):
     h, params, cotangent = draw(rng)
-    result = value_and_grads(lambda h, p: pf.sco_scan(layer_fn, h, p, offload=offload),
+    result = value_and_grads(lambda h, p: pf.sco_scan(layer_fn, h, p, offload=offload,
+                                                      loop=loop),
                              h, params, cotangent)
     expected = value_and_grads(lambda h, p: checkpointed_scan(layer_fn, h, p), h, params,
                                cotangent)
@@ -91,11 +97,13 @@ def test_equals_checkpointed_scan(rng, offload):
 
 
 @pytest.mark.parametrize("offload", [0, 2, LAYERS, [False, True, False, True, True]], ids=str)
-def test_pytree_carry_equals_checkpointed_scan(rng, offload):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_pytree_carry_equals_checkpointed_scan(rng, offload, loop):
     """A carry of (h, f32 [E] load counter, f32 scalar aux loss): values and the gradients
     w.r.t. every carry leaf and every parameter, bit for bit."""
     carry, params, cotangent = draw_routed(rng)
-    result = value_and_grads(lambda c, p: pf.sco_scan(routed_layer, c, p, offload=offload),
+    result = value_and_grads(lambda c, p: pf.sco_scan(routed_layer, c, p, offload=offload,
+                                                      loop=loop),
                              carry, params, cotangent)
     expected = value_and_grads(lambda c, p: checkpointed_scan(routed_layer, c, p), carry,
                                params, cotangent)
@@ -108,10 +116,11 @@ def transfers(jaxpr) -> list[str]:
     return [str(d) for eqn in iter_eqns(jaxpr, "device_put") for d in eqn.params["devices"]]
 
 
-def grad_jaxpr(layer, carry, params, offload):
+def grad_jaxpr(layer, carry, params, offload, loop="unrolled"):
     def loss(carry, params):
         return sum(jnp.sum(leaf) for leaf in jax.tree.leaves(pf.sco_scan(
-            layer, carry, params, offload=offload)) if jnp.issubdtype(leaf.dtype, jnp.inexact))
+            layer, carry, params, offload=offload, loop=loop))
+            if jnp.issubdtype(leaf.dtype, jnp.inexact))
 
     return jax.make_jaxpr(jax.grad(loss, argnums=(0, 1), allow_int=True))(carry, params).jaxpr
 
@@ -124,6 +133,23 @@ def test_gradient_moves_exactly_the_chosen_boundaries(rng, offload, expected):
     moves = transfers(grad_jaxpr(layer_fn, h, params, offload))
     # Forward sends them all before backward brings any back.
     assert moves == ["MemorySpace.Host"] * expected + ["MemorySpace.Device"] * expected
+
+
+@pytest.mark.parametrize("offload, runs", [
+    (0, 0), (3, 1), ([True, False, True, False, True], 3), (pf.HostBudget(2 * BOUNDARY_BYTES), 1),
+    ("all", 1), ([4, 0], 2),
+])
+def test_scanned_gradient_moves_each_offloaded_run_once(rng, offload, runs):
+    """The scanned loop traces one copy per run of offloaded layers: to host in the forward
+    loop's body, and back in the backward (the run's first restore before its loop, the next
+    ones in its body)."""
+    h, params, _ = draw(rng)
+    jaxpr = grad_jaxpr(layer_fn, h, params, offload, loop="scan")
+    assert transfers(jaxpr) == ["MemorySpace.Host"] * runs + ["MemorySpace.Device"] * 2 * runs
+    scans = list(iter_eqns(jaxpr, "scan"))
+    forward_runs = len(sco._runs(sco.offload_plan(offload, LAYERS, BOUNDARY_BYTES)))
+    assert len(scans) == 2 * forward_runs  # a forward and a backward loop per run
+    assert sum(e.params["length"] for e in scans) == 2 * LAYERS
 
 
 def test_pytree_carry_moves_its_inexact_leaves_only(rng):
@@ -221,7 +247,8 @@ def segment_layer(carry, p):
     return layer_fn(h + jax.nn.softmax(scores, -1) @ h, p), segment_ids
 
 
-def test_integer_leaf_carries_per_token_inputs(rng):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_integer_leaf_carries_per_token_inputs(rng, loop):
     """The recommended channel for a per-layer input without gradients: values and gradients
     equal the checkpointed scan's, and the ids are neither copied to host nor differentiated."""
     h, params, d_h = draw(rng)
@@ -232,12 +259,15 @@ def test_integer_leaf_carries_per_token_inputs(rng):
         return fn(h, params), jax.jit(jax.grad(lambda h, p: jnp.vdot(fn(h, p), d_h),
                                                argnums=(0, 1)))(h, params)
 
-    assert_equal_trees(run(sco_stack(LAYERS)), run(checkpointed_scan))
-    moves = transfers(grad_jaxpr(segment_layer, (h, segment_ids), params, LAYERS))
-    assert moves == ["MemorySpace.Host"] * LAYERS + ["MemorySpace.Device"] * LAYERS
+    assert_equal_trees(run(sco_stack(LAYERS, loop)), run(checkpointed_scan))
+    moves = transfers(grad_jaxpr(segment_layer, (h, segment_ids), params, LAYERS, loop))
+    copies = LAYERS if loop == "unrolled" else 1  # the scanned loop traces one layer
+    assert moves == ["MemorySpace.Host"] * copies + ["MemorySpace.Device"] * copies * (
+        1 if loop == "unrolled" else 2)
 
 
-def test_closures_over_arrays(rng):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_closures_over_arrays(rng, loop):
     """layer_fn may close over an array without gradients (here a jitted function's argument);
     closing over one that is differentiated is refused, never a silently zero gradient."""
     h, params, d_h = draw(rng)
@@ -246,7 +276,7 @@ def test_closures_over_arrays(rng):
     def loss(stack, h, p, bias):
         return jnp.vdot(stack(lambda h, p: layer_fn(h, p) + bias, h, p), d_h)
 
-    stack = sco_stack(LAYERS)
+    stack = sco_stack(LAYERS, loop)
     grads = jax.jit(jax.grad(lambda h, p, b: loss(stack, h, p, b), argnums=(0, 1)))(
         h, params, bias)
     expected = jax.jit(jax.grad(lambda h, p, b: loss(checkpointed_scan, h, p, b),
@@ -388,28 +418,32 @@ def mlp_shapes(num_layers, tokens, hidden, experts=8):
     return carry, params
 
 
-def gradient_temp_bytes(num_layers, tokens, hidden, offload=0):
+def gradient_temp_bytes(num_layers, tokens, hidden, offload=0, loop="scan"):
     """XLA's temporaries of the gradient of a stack of mlp_layer (on CPU no copy leaves the
     device, so every boundary stays in the plan whatever ``offload`` says)."""
     carry, params = mlp_shapes(num_layers, tokens, hidden)
 
     def loss(carry, params):
-        h, load, aux, _ = pf.sco_scan(mlp_layer, carry, params, offload=offload)
+        h, load, aux, _ = pf.sco_scan(mlp_layer, carry, params, offload=offload, loop=loop)
         return h.sum() + load.sum() + aux
 
     grad = jax.grad(loss, argnums=(0, 1), allow_int=True)
     return memory.compiled_memory(jax.jit(grad).lower(carry, params).compile()).temp
 
 
-def test_gradient_temporaries_grow_by_one_boundary_per_layer():
+@pytest.mark.parametrize("loop", LOOPS)
+def test_gradient_temporaries_grow_by_one_boundary_per_layer(loop):
     """With nothing offloaded (and on CPU nothing is) each added layer may add one boundary,
     never a layer's parameters or their gradients (which XLA kept alive for all layers until
     the slices and the gradient writes were tied to the layer order). A layer's parameters here
-    are 32x a boundary; the carry has four leaves."""
+    are 32x a boundary; the carry has four leaves, one of them integer (the bound's L * C_int:
+    the scanned loop saves it per layer, where the unrolled one's copies were one buffer)."""
     tokens, hidden = 32, 128
-    boundary, _ = sco.carry_bytes(mlp_shapes(1, tokens, hidden)[0])
-    growth = gradient_temp_bytes(8, tokens, hidden) - gradient_temp_bytes(4, tokens, hidden)
-    assert growth <= 4 * boundary  # measured: 65,536 bytes, 3.99 boundaries
+    boundary, integer = sco.carry_bytes(mlp_shapes(1, tokens, hidden)[0])
+    growth = (gradient_temp_bytes(8, tokens, hidden, loop=loop)
+              - gradient_temp_bytes(4, tokens, hidden, loop=loop))
+    # measured: 65,536 bytes unrolled, 66,048 scanned (4 boundaries and 4 integer leaves)
+    assert growth <= 4 * (boundary + integer)
 
 
 def layer_working_bytes(carry, params):
@@ -427,11 +461,13 @@ def layer_working_bytes(carry, params):
 
 @pytest.mark.parametrize("num_layers, tokens, hidden", [(4, 32, 128), (8, 256, 64),
                                                         (6, 1024, 32)])
-def test_memory_terms_bound_the_cpu_plan(num_layers, tokens, hidden):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_memory_terms_bound_the_cpu_plan(num_layers, tokens, hidden, loop):
     """sco_memory_terms with n_offloaded = 0 (on CPU every boundary stays on the device) holds
-    XLA's plan of the whole gradient. Measured plan / bound: 0.60, 0.82 and 0.90 at these
-    shapes; the slack (0.50, 0.26 and 0.23 MB) is mostly the layer_parameters term: XLA:CPU
-    reads a layer's parameters from the stack in place instead of slicing a copy."""
+    XLA's plan of the whole gradient. Measured bound / plan: 1.67, 1.22 and 1.12 at these
+    shapes unrolled, 1.63, 1.09 and 1.02 scanned; the slack is mostly the layer_parameters
+    term: XLA:CPU reads a layer's parameters from the stack in place instead of slicing a
+    copy."""
     carry, params = mlp_shapes(num_layers, tokens, hidden)
     boundary, integer = sco.carry_bytes(carry)
     layer_params = sum(math.prod(s.shape[1:]) * s.dtype.itemsize
@@ -439,7 +475,7 @@ def test_memory_terms_bound_the_cpu_plan(num_layers, tokens, hidden):
     terms = sco.sco_memory_terms(num_layers, 0, boundary, layer_params,
                                  layer_working_bytes(carry, params), integer)
     assert set(terms) == set(sco.MEMORY_FORMULAS)
-    plan = gradient_temp_bytes(num_layers, tokens, hidden)
+    plan = gradient_temp_bytes(num_layers, tokens, hidden, loop=loop)
     assert plan <= sum(terms.values()) <= 1.7 * plan
 
 
@@ -454,14 +490,15 @@ def test_memory_terms_count_offloaded_boundaries():
 
 
 @pytest.mark.parametrize("offload", [0, 2, LAYERS], ids=str)
-def test_per_layer_params_equal_stacked(rng, offload):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_per_layer_params_equal_stacked(rng, offload, loop):
     """PerLayer params (one pytree per layer) give the stacked form's values, and per-layer
     gradients equal to the slices of its stacked gradients, bit for bit."""
     carry, params, cotangent = draw_routed(rng)
     per_layer = pf.PerLayer(tuple(jax.tree.map(lambda a: a[i], params) for i in range(LAYERS)))
 
     def run(carry, params):
-        return pf.sco_scan(routed_layer, carry, params, offload=offload)
+        return pf.sco_scan(routed_layer, carry, params, offload=offload, loop=loop)
 
     value, vjp = jax.vjp(jax.jit(run), carry, params)
     value_layers, vjp_layers = jax.vjp(jax.jit(run), carry, per_layer)
@@ -483,7 +520,7 @@ def test_per_layer_layer_waits_only_for_its_own_params(rng):
     carry, params, _ = draw_routed(rng)
     per_layer = pf.PerLayer(tuple(jax.tree.map(lambda a: a[i], params) for i in range(LAYERS)))
     jaxpr = jax.make_jaxpr(jax.grad(lambda c, p: pf.sco_scan(
-        routed_layer, c, p, offload=0)[0].sum(), argnums=1))(carry, per_layer)
+        routed_layer, c, p, offload=0, loop="unrolled")[0].sum(), argnums=1))(carry, per_layer)
     layer_leaves = len(jax.tree.leaves(per_layer.layers[0]))
     carry_leaves = len(jax.tree.leaves(carry))
     barriers = [e for e in iter_eqns(jaxpr.jaxpr, "optimization_barrier")]

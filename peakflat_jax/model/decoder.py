@@ -117,7 +117,8 @@ class MoEDecoder(nnx.Module):
                 carry["counts"] = carry["counts"].at[layer_index].set(counts)
             return carry
 
-        return sco_scan(layer_fn, carry, params, offload=offload)
+        return sco_scan(layer_fn, carry, params, offload=offload,
+                        loop=run.operators.layer_loop)
 
 
 def mean_cross_entropy(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, run: Runtime,

@@ -93,6 +93,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from peakflat_jax.ops._mosaic_hash import share_identical_kernels
 from peakflat_jax.ops._shard import varying_like
 
 IMPLEMENTATIONS = ("xla", "mosaic")
@@ -334,8 +335,11 @@ def _fit(kernel: str, preferred: BlockConfig, rows: tuple[str, int], cols: tuple
 
 @functools.lru_cache(maxsize=None)
 def mosaic_kernels(configs: MosaicConfigs) -> GroupedMatmulKernels:
-    """The three Mosaic GPU kernels with the given blocks (imported here: GPU-only code)."""
+    """The three Mosaic GPU kernels with the given blocks (imported here: GPU-only code). Their
+    identical call sites compile once (``_mosaic_hash``)."""
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+    share_identical_kernels()
 
     def forward(lhs, rhs, group_sizes):
         return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes,

@@ -67,7 +67,7 @@ from jax import lax
 
 from peakflat_jax._validate import as_int, as_positive_float
 from peakflat_jax.ops import grouped_matmul, llep_plan, row_permutation
-from peakflat_jax.ops._shard import vary_alike
+from peakflat_jax.ops._shard import vary_alike, varying_like
 from peakflat_jax.ops.expert_exchange import Exchange, PaddedExchange
 from peakflat_jax.ops.grouped_matmul import IMPLEMENTATIONS as MATMUL_PATHS
 from peakflat_jax.ops.grouped_matmul import ROW_ALIGNMENT
@@ -491,6 +491,18 @@ def _process_chunk(plan: _MoEPlan, weights, dispatched: _Dispatched, gates_chunk
     return combined.astype(rows.dtype)
 
 
+def _dispatch_if(plan: _MoEPlan, chunks: _Chunks, i, like: _Dispatched) -> _Dispatched:
+    """Chunk i's dispatch where 0 <= i < K, else an empty one shaped like ``like``: a loop's
+    last step has no next chunk, and a ``lax.cond`` skips its exchange while every step's body
+    stays one (no peeled step: each grouped matmul is one call site of the program)."""
+    def empty():
+        return jax.tree.map(lambda a: varying_like(jnp.zeros(a.shape, a.dtype), a), like)
+
+    return lax.cond((i >= 0) & (i < plan.num_chunks),
+                    lambda: _dispatch_chunk(plan, chunks, jnp.clip(i, 0, plan.num_chunks - 1)),
+                    empty)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _run_chunks(plan: _MoEPlan, weights, chunks: _Chunks):
     """``[K, c, H]``: every chunk's output, in a software-pipelined scan.
@@ -502,13 +514,11 @@ def _run_chunks(plan: _MoEPlan, weights, chunks: _Chunks):
     reverse.
     """
     def step(dispatched, i):
-        upcoming = _dispatch_chunk(plan, chunks, i + 1)  # issued before this chunk's matmuls
+        upcoming = _dispatch_if(plan, chunks, i + 1, dispatched)  # before this chunk's matmuls
         return upcoming, _process_chunk(plan, weights, dispatched, chunks.gates[i])
 
-    last = plan.num_chunks - 1
-    dispatched, outputs = lax.scan(step, _dispatch_chunk(plan, chunks, 0), jnp.arange(last))
-    final = _process_chunk(plan, weights, dispatched, chunks.gates[last])
-    return jnp.concatenate([outputs, final[None]])
+    first = _dispatch_chunk(plan, chunks, 0)
+    return lax.scan(step, first, jnp.arange(plan.num_chunks))[1]
 
 
 def _run_chunks_fwd(plan, weights, chunks):
@@ -528,36 +538,22 @@ def _run_chunks_bwd(plan, residuals, d_outputs):
         d_x = _tokens_cotangent(plan, d_received, dispatched.routes, chunks.x.dtype)
         return d_w, d_x, d_gates
 
-    def accumulate(total, d_w):  # the chunks' weight gradients sum in fp32
-        return jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), total, d_w)
-
-    def step(carry, i):  # i = K-2, ..., 1
+    def step(carry, i):  # i = K-1, ..., 0
         dispatched, d_weights = carry
-        upcoming = _dispatch_chunk(plan, chunks, i - 1)  # issued before this chunk's recompute
+        upcoming = _dispatch_if(plan, chunks, i - 1, dispatched)  # before this chunk's recompute
         d_w, d_x, d_gates = chunk_grads(i, dispatched)
-        return (upcoming, accumulate(d_weights, d_w)), (d_x, d_gates)
-
-    def chunks_cotangent(d_x, d_gates):  # no cotangent for the integer routing
-        return _Chunks(x=d_x, gates=d_gates, destination=None, group=None)
+        # The chunks' weight gradients sum in fp32.
+        d_weights = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), d_weights, d_w)
+        return (upcoming, d_weights), (d_x, d_gates)
 
     last = plan.num_chunks - 1
-    dispatched = _dispatch_chunk(plan, chunks, last)
-    if last == 0:
-        d_weights, d_x, d_gates = chunk_grads(0, dispatched)
-        return d_weights, chunks_cotangent(d_x[None], d_gates[None])
-    # The last chunk starts the sum (no zero-filled accumulator to write and add: one pass over
-    # the G experts' fp32 gradients fewer).
-    upcoming = _dispatch_chunk(plan, chunks, last - 1)
-    d_w, d_x_last, d_gates_last = chunk_grads(last, dispatched)
-    d_weights = jax.tree.map(lambda g: g.astype(jnp.float32), d_w)
-    (dispatched, d_weights), (d_x, d_gates) = lax.scan(
-        step, (upcoming, d_weights), jnp.arange(1, last), reverse=True)
-    d_w, d_x0, d_gates0 = chunk_grads(0, dispatched)
-    d_weights = jax.tree.map(lambda g, w: g.astype(w.dtype), accumulate(d_weights, d_w),
-                             weights)
-    return d_weights, chunks_cotangent(
-        jnp.concatenate([d_x0[None], d_x, d_x_last[None]]),
-        jnp.concatenate([d_gates0[None], d_gates, d_gates_last[None]]))
+    zeros = jax.tree.map(lambda w: varying_like(jnp.zeros(w.shape, jnp.float32), w), weights)
+    (_, d_weights), (d_x, d_gates) = lax.scan(
+        step, (_dispatch_chunk(plan, chunks, last), zeros), jnp.arange(plan.num_chunks),
+        reverse=True)
+    d_weights = jax.tree.map(lambda g, w: g.astype(w.dtype), d_weights, weights)
+    # No cotangent for the integer routing.
+    return d_weights, _Chunks(x=d_x, gates=d_gates, destination=None, group=None)
 
 
 _run_chunks.defvjp(_run_chunks_fwd, _run_chunks_bwd)

@@ -170,18 +170,27 @@ def offload_plan(offload, num_layers: int, boundary_bytes: int) -> tuple[bool, .
     A pure function of static numbers, so every process makes the same choice (a mismatch
     would deadlock collectives) and a budget that cannot be met fails before any compute.
     """
+    expected = (f"\"all\", None, a count, {num_layers} bools (one per layer), a list of layer "
+                f"indices in [0, {num_layers}) or a HostBudget")
     if isinstance(offload, HostBudget):
         count = min(num_layers, offload.bytes // boundary_bytes) if boundary_bytes else num_layers
         chosen = tuple(i < count for i in range(num_layers))
-    elif isinstance(offload, bool):
-        raise ValueError(f"offload: expected an int, a sequence of L={num_layers} bools or a "
-                         f"HostBudget, got {offload!r}")
+    elif offload is None or (isinstance(offload, str) and offload == "all"):
+        chosen = (offload is not None,) * num_layers
+    elif isinstance(offload, bool | str):
+        raise ValueError(f"offload: expected {expected}, got {offload!r}")
     elif isinstance(offload, Sequence | np.ndarray):
-        if len(offload) != num_layers or not all(isinstance(x, bool | np.bool_)
-                                                 for x in offload):
-            raise ValueError(f"offload: expected {num_layers} bools (one per layer), got "
-                             f"{offload!r}")
-        chosen = tuple(bool(x) for x in offload)
+        items = list(offload)
+        if items and all(isinstance(x, bool | np.bool_) for x in items):
+            if len(items) != num_layers:
+                raise ValueError(f"offload: expected {num_layers} bools (one per layer), got "
+                                 f"{offload!r}")
+            chosen = tuple(bool(x) for x in items)
+        elif all(isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
+                 and 0 <= x < num_layers for x in items) and len(set(items)) == len(items):
+            chosen = tuple(i in set(int(x) for x in items) for i in range(num_layers))
+        else:
+            raise ValueError(f"offload: expected {expected}, got {offload!r}")
     else:
         count = as_int("offload", offload)
         if not 0 <= count <= num_layers:
@@ -195,17 +204,27 @@ def offload_plan(offload, num_layers: int, boundary_bytes: int) -> tuple[bool, .
     return chosen
 
 
-def sco_scan(layer_fn: Callable, carry, stacked_params, *, offload):
+LOOPS = ("scan", "unrolled")
+
+
+def sco_scan(layer_fn: Callable, carry, stacked_params, *, offload, loop: str = "scan"):
     """``lax.scan`` of the checkpointed ``layer_fn(carry, params_l) -> carry`` over the leading
     layer axis of ``stacked_params`` (or over the layers of a ``PerLayer``), with the
     boundaries chosen by ``offload`` kept in host memory.
 
     ``carry``: an array or a pytree of arrays; ``layer_fn`` returns the same structure, shapes
     and dtypes. Its inexact leaves are the boundary that ``offload`` moves; integer and bool
-    leaves stay on the device. ``offload``: an int (the first n boundaries), a sequence of L
-    bools, or ``HostBudget(bytes)`` (as many as fit, in forward order). ``layer_fn`` must not
-    close over arrays that need gradients (pass them in ``stacked_params``); per-layer inputs
-    without gradients (segment ids, positions) are best an integer leaf of the carry.
+    leaves stay on the device. ``offload``: ``"all"``, ``None`` (none), an int (the first n
+    boundaries), a sequence of L bools, a sequence of layer indices, or ``HostBudget(bytes)``
+    (as many as fit, in forward order). ``layer_fn`` must not close over arrays that need
+    gradients (pass them in ``stacked_params``); per-layer inputs without gradients (segment
+    ids, positions) are best an integer leaf of the carry.
+
+    ``loop``: ``"scan"`` (the default) runs the layers through ``lax.scan``, one loop per run
+    of consecutive layers that share an offload choice, so that the program (and its compile
+    time) does not grow with depth; ``"unrolled"`` traces every layer (module doc, "Two
+    loops"). Both give the same values and gradients. A ``PerLayer`` under ``"scan"`` is
+    stacked first: every layer then waits for all layers' parameters.
 
     Limits: reverse mode only (a custom VJP: ``jax.jvp`` and ``jacfwd`` raise); under
     ``jax.vmap`` a HostBudget counts the bytes of one example's boundary. Inside an enclosing
@@ -213,7 +232,10 @@ def sco_scan(layer_fn: Callable, carry, stacked_params, *, offload):
     boundaries to host: the barriers that order the copies keep XLA from dropping the first
     run's, which nothing reads.
     """
-    if isinstance(stacked_params, PerLayer):
+    if loop not in LOOPS:
+        raise ValueError(f"loop: expected one of {LOOPS}, got {loop!r}")
+    per_layer = isinstance(stacked_params, PerLayer)
+    if per_layer:
         num_layers = len(stacked_params.layers)
         structures = {jax.tree.structure(p) for p in stacked_params.layers}
         if len(structures) > 1:
@@ -242,7 +264,12 @@ def sco_scan(layer_fn: Callable, carry, stacked_params, *, offload):
                    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(expected)))):
         raise ValueError(f"layer_fn: expected it to return a carry like its input (same "
                          f"structure, shapes and dtypes: {expected}), got {out}")
-    return _sco_scan(layer_fn, chosen, carry, stacked_params)
+    if loop == "unrolled":
+        return _sco_unrolled(layer_fn, chosen, carry, stacked_params)
+    if per_layer:
+        stacked = jax.tree.map(lambda *layers: jnp.stack(layers), *stacked_params.layers)
+        return _sco_scanned(layer_fn, _runs(chosen), carry, stacked)
+    return _sco_scanned(layer_fn, _runs(chosen), carry, stacked_params)
 
 
 def _layer_params(stacked_params, layer: int):
@@ -269,15 +296,19 @@ def _move_boundary(carry, space):
     return jax.tree.map(lambda a: jax.device_put(a, space) if _is_inexact(a) else a, carry)
 
 
+# ----------------------------------------------------------------------------------------------
+# The unrolled loop: every layer traced, transfers placed by hand.
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _sco_scan(layer_fn, chosen, carry, stacked_params):
+def _sco_unrolled(layer_fn, chosen, carry, stacked_params):
     # Without differentiation nothing reads the boundaries again: no copies, no barriers.
     for layer in range(len(chosen)):
         carry = layer_fn(carry, _layer_params(stacked_params, layer))
     return carry
 
 
-def _sco_scan_fwd(layer_fn, chosen, carry, stacked_params):
+def _sco_unrolled_fwd(layer_fn, chosen, carry, stacked_params):
     boundaries = []
     for layer, to_host in enumerate(chosen):
         # Layer l slices its parameters once its input exists. Otherwise the slices, which
@@ -299,7 +330,7 @@ def _sco_scan_fwd(layer_fn, chosen, carry, stacked_params):
     return carry, (tuple(boundaries), stacked_params)
 
 
-def _sco_scan_bwd(layer_fn, chosen, residuals, d_carry):
+def _sco_unrolled_bwd(layer_fn, chosen, residuals, d_carry):
     boundaries, stacked_params = residuals
     num_layers = len(chosen)
 
@@ -372,4 +403,125 @@ def _sco_scan_bwd(layer_fn, chosen, residuals, d_carry):
     return full_cotangent(d_inexact), cotangent_tree(d_stacked)
 
 
-_sco_scan.defvjp(_sco_scan_fwd, _sco_scan_bwd)
+_sco_unrolled.defvjp(_sco_unrolled_fwd, _sco_unrolled_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# The scanned loop: one lax.scan per run of layers with one offload choice.
+
+
+def _runs(chosen: tuple[bool, ...]) -> tuple[tuple[int, int, bool], ...]:
+    """(start, stop, to_host) of each run of consecutive layers with one offload choice."""
+    runs, start = [], 0
+    for layer in range(1, len(chosen) + 1):
+        if layer == len(chosen) or chosen[layer] != chosen[start]:
+            runs.append((start, layer, chosen[start]))
+            start = layer
+    return tuple(runs)
+
+
+def _layer_at(stacked_params, layer):
+    """Layer ``layer``'s slice of every stacked leaf (``layer`` may be traced)."""
+    return jax.tree.map(lambda leaf: lax.dynamic_index_in_dim(leaf, layer, 0, keepdims=False),
+                        stacked_params)
+
+
+class _CarryLeaves:
+    """The inexact leaves of a carry (the boundary: what has a cotangent) and back. Integer
+    leaves have float0 cotangents: nothing to compute or carry through a loop."""
+
+    def __init__(self, carry):
+        self.leaves, self.treedef = jax.tree.flatten(carry)
+        self.inexact = [i for i, leaf in enumerate(self.leaves) if _is_inexact(leaf)]
+
+    def inexact_part(self, tree) -> list:
+        leaves = self.treedef.flatten_up_to(tree)
+        return [leaves[i] for i in self.inexact]
+
+    def full(self, inexact_leaves):
+        """A tree like the carry: these leaves where it is inexact, float0 zeros elsewhere."""
+        leaves = [np.zeros(leaf.shape, jax.dtypes.float0) for leaf in self.leaves]
+        for i, leaf in zip(self.inexact, inexact_leaves):
+            leaves[i] = leaf
+        return self.treedef.unflatten(leaves)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _sco_scanned(layer_fn, runs, carry, stacked_params):
+    # Without differentiation nothing reads the boundaries again: one loop, no copies.
+    def body(carry, layer):
+        return layer_fn(carry, _layer_at(stacked_params, layer)), None
+
+    return lax.scan(body, carry, jnp.arange(runs[-1][1], dtype=jnp.int32))[0]
+
+
+def _sco_scanned_fwd(layer_fn, runs, carry, stacked_params):
+    saved = []
+    for start, stop, to_host in runs:
+        def body(carry, layer, to_host=to_host):
+            carry_next = layer_fn(carry, _layer_at(stacked_params, layer))
+            if not to_host:
+                return carry_next, carry
+            # The copy of this layer's input runs while the layer computes, and is done before
+            # the next layer starts (the same tie as the unrolled loop's).
+            boundary, carry_next = lax.optimization_barrier(
+                (_move_boundary(carry, jax.memory.Space.Host), carry_next))
+            return carry_next, boundary
+
+        carry, boundaries = lax.scan(body, carry, jnp.arange(start, stop, dtype=jnp.int32))
+        saved.append(boundaries)
+    return carry, (tuple(saved), stacked_params)
+
+
+def _sco_scanned_bwd(layer_fn, runs, residuals, d_carry):
+    saved, stacked_params = residuals
+    carry_leaves = _CarryLeaves(_layer_at(saved[0], 0))
+    param_leaves, param_def = jax.tree.flatten(stacked_params)
+    inexact = [i for i, leaf in enumerate(param_leaves) if _is_inexact(leaf)]
+
+    def layer_vjp(boundary, layer, d_inexact, d_stacked):
+        """Layer ``layer`` recomputed from its boundary and differentiated; its parameter
+        gradients written in place into the stacked result."""
+        _, vjp = jax.vjp(layer_fn, boundary, _layer_at(stacked_params, layer))
+        d_boundary, d_layer = vjp(carry_leaves.full(d_inexact))
+        d_layer = param_def.flatten_up_to(d_layer)
+        d_stacked = [lax.dynamic_update_index_in_dim(stack, d_layer[i].astype(stack.dtype),
+                                                     layer, 0)
+                     for stack, i in zip(d_stacked, inexact)]
+        return carry_leaves.inexact_part(d_boundary), d_stacked
+
+    d_inexact = carry_leaves.inexact_part(d_carry)
+    d_stacked = [jnp.zeros_like(param_leaves[i]) for i in inexact]
+    for (start, stop, to_host), boundaries in reversed(list(zip(runs, saved))):
+        layers = jnp.arange(stop - start, dtype=jnp.int32)
+        if not to_host:
+            def body(state, j, start=start, boundaries=boundaries):
+                return layer_vjp(_layer_at(boundaries, j), start + j, *state), None
+
+            (d_inexact, d_stacked), _ = lax.scan(body, (d_inexact, d_stacked), layers,
+                                                 reverse=True)
+            continue
+
+        def restore(j, boundaries=boundaries):
+            return _move_boundary(_layer_at(boundaries, j), jax.memory.Space.Device)
+
+        def body(state, j, start=start, restore=restore):
+            # Boundary j - 1 comes back while layer j recomputes and differentiates: two are
+            # on the device, the one in use and the one arriving (at j = 0 a copy of boundary 0
+            # again, which nothing reads: the loop's body stays one).
+            restored, d_inexact, d_stacked = state
+            upcoming = restore(jnp.maximum(j - 1, 0))
+            d_inexact, d_stacked = layer_vjp(restored, start + j, d_inexact, d_stacked)
+            return (upcoming, d_inexact, d_stacked), None
+
+        first = restore(stop - start - 1)
+        (_, d_inexact, d_stacked), _ = lax.scan(body, (first, d_inexact, d_stacked), layers,
+                                                reverse=True)
+
+    d_leaves = [np.zeros(leaf.shape, jax.dtypes.float0) for leaf in param_leaves]
+    for i, grad in zip(inexact, d_stacked):
+        d_leaves[i] = grad
+    return carry_leaves.full(d_inexact), param_def.unflatten(d_leaves)
+
+
+_sco_scanned.defvjp(_sco_scanned_fwd, _sco_scanned_bwd)

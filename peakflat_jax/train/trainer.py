@@ -45,7 +45,13 @@ from peakflat_jax.plan import DoesNotFit, check_plan, offload_flags
 from peakflat_jax.train import checkpoint as ckpt
 from peakflat_jax.train import data as data_pipeline
 from peakflat_jax.train import metrics as report
-from peakflat_jax.train.optimizer import DeviceAdamW, learning_rate_schedule, make_offloaded
+from peakflat_jax.train.optimizer import (
+    DeviceAdamW,
+    hyperparams_at,
+    learning_rate_schedule,
+    make_offloaded,
+    with_hyperparams,
+)
 
 _PROGRAMS: dict[tuple, object] = {}
 """The compiled step programs of this process, by what each depends on (``_program_key``)."""
@@ -127,15 +133,15 @@ class Trainer:
         self.graphdef = graphdef
         params, extras = split_model_state(state)
         if self.offloaded_optimizer:
-            # One optimizer object per config in a process: its compiled step is reused.
-            key = (json.dumps(to_dict(self.config.optimizer), sort_keys=True), self.total_steps)
-            self.optimizer = _OPTIMIZERS.setdefault(
-                key, make_offloaded(self.config.optimizer, self.total_steps))
+            # One optimizer object per structure in a process: its compiled step is reused
+            # (the hyperparameters are inputs: ``with_hyperparams``).
+            key = json.dumps(_structural_optimizer_fields(self.config), sort_keys=True)
+            self.optimizer = _OPTIMIZERS.setdefault(key, make_offloaded(self.config.optimizer))
             # Each MoE layer's weights form their own buckets (layer groups), in both modes, so
             # that overlapping changes no bit.
             opt_state = self.optimizer.init(params, stacked_layers=moe_stack_mask(params))
         else:
-            self.optimizer = DeviceAdamW(self.config.optimizer, self.total_steps)
+            self.optimizer = DeviceAdamW(self.config.optimizer)
             # The master and moments sharded like the params (FSDP), the step counts
             # replicated: left to itself, jit put optax's zeros on every device whole.
             shardings = shardings_like_params(jax.eval_shape(self.optimizer.init, params),
@@ -216,14 +222,15 @@ class Trainer:
             "the train step")
 
     def _program_key(self, program: str) -> tuple:
-        """What a compiled program depends on: the config without the loop's bookkeeping (and,
-        for the gradient program, without the optimizer), and the devices."""
+        """What a compiled program depends on: the config without the loop's bookkeeping and
+        the optimizer's hyperparameters (inputs of the step: ``with_hyperparams``), and without
+        the optimizer for the gradient program; and the devices."""
         config = to_dict(self.config)
-        config.pop("name")
-        config["train"] = {"steps": config["train"]["steps"]}
+        for section in ("name", "train"):
+            config.pop(section)
+        config["optimizer"] = _structural_optimizer_fields(self.config)
         if program == "gradient_step":
             config.pop("optimizer")
-            config.pop("train")
             for field in ("optimizer_offload", "optimizer_overlap"):
                 config["operators"].pop(field)
         return (program, json.dumps(config, sort_keys=True),
@@ -258,6 +265,10 @@ class Trainer:
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """One optimizer step; the state passed in is consumed. Overlapped, the step's update
         is left pending for the next step's program (``flush`` applies it)."""
+        # The update about to run follows this many updates: its hyperparameters go in.
+        updates_done = state.step - (state.pending is not None)
+        state = dataclasses.replace(state, opt_state=self._hyperparams(state.opt_state,
+                                                                       updates_done))
         if self.overlap:
             if state.pending is None:
                 metrics, grads, extras = self._gradient_step(state.params, state.extras, batch)
@@ -280,8 +291,14 @@ class Trainer:
         if state.pending is None:
             return state
         jax.tree.map(lambda a: a.delete(), state.params)
-        params, opt_state = self.optimizer.step(state.pending, state.opt_state)
+        opt_state = self._hyperparams(state.opt_state, state.step - 1)
+        params, opt_state = self.optimizer.step(state.pending, opt_state)
         return dataclasses.replace(state, params=params, opt_state=opt_state, pending=None)
+
+    def _hyperparams(self, opt_state, updates_done: int):
+        """``opt_state`` set for the update that follows ``updates_done`` updates."""
+        return with_hyperparams(opt_state, hyperparams_at(self.config.optimizer, self.schedule,
+                                                          updates_done))
 
     def _overlapped(self, params, extras, opt_state, pending, batch):
         """The update of the previous step's gradients ``pending`` and this step's loss and
@@ -457,6 +474,13 @@ class Trainer:
             "devices": mop.num_devices(self.mesh),
             "device_kind": jax.devices()[0].device_kind,
         }
+
+
+def _structural_optimizer_fields(config: Config) -> dict:
+    """The optimizer fields that shape its compiled programs (the rest are their inputs)."""
+    optimizer = config.optimizer
+    return {"bucket_params": optimizer.bucket_params, "slots": optimizer.slots,
+            "max_grad_norm": optimizer.max_grad_norm is not None and optimizer.max_grad_norm}
 
 
 def wait_for_every_process(name: str) -> None:

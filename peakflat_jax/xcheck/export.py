@@ -337,7 +337,12 @@ def checkpointed_stack_case(trainer, rng) -> Case:
 
 def adamw_case(trainer, rng) -> Case:
     """The trainer's offloaded AdamW over ``ADAMW_STEPS`` steps with warm-up and decay."""
-    from peakflat_jax.train.optimizer import learning_rate_schedule, make_offloaded
+    from peakflat_jax.train.optimizer import (
+        hyperparams_at,
+        learning_rate_schedule,
+        make_offloaded,
+        with_hyperparams,
+    )
 
     config, mesh = trainer.config, trainer.mesh
     width = mop.num_devices(mesh)
@@ -349,7 +354,7 @@ def adamw_case(trainer, rng) -> Case:
     optimizer_config = dataclasses.replace(optimizer_config,
                                            bucket_params=max(1, per_device // 3 + 1))
     schedule = learning_rate_schedule(optimizer_config, ADAMW_STEPS)
-    optimizer = make_offloaded(optimizer_config, ADAMW_STEPS)
+    optimizer = make_offloaded(optimizer_config)
 
     def placed(values):
         return {name: _put(mesh, value, mop.fsdp_spec(value.shape, width), dtype)
@@ -388,6 +393,7 @@ def adamw_case(trainer, rng) -> Case:
         for name, grad in grads.items():
             case.add(f"step{step}.grads.{name}", grad, "input", f"step {step}'s gradient")
         rates.append(float(schedule(step)))
+        state = with_hyperparams(state, hyperparams_at(optimizer_config, schedule, step))
         working, state = optimizer.step(grads, state)
         master = {name: np.asarray(jax.device_get(leaf))
                   for name, leaf in optimizer.master_params(state).items()}
