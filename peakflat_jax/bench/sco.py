@@ -21,8 +21,9 @@ from peakflat_jax.ops.sco import sco_scan
 def presets() -> dict[str, list[dict]]:
     def cases(shape):
         layers = shape["layers"]
-        return [dict(shape, method="scan"), *(dict(shape, method="sco", offload=n)
-                                              for n in (0, layers // 2, layers))]
+        return [dict(shape, method="scan"),
+                *(dict(shape, method="sco", offload=n) for n in (0, layers // 2, layers)),
+                dict(shape, method="sco", offload=layers, loop="unrolled")]
 
     return {"gpu": cases(dict(layers=24, tokens=65536, hidden=4096, heads=32, mlp=4,
                               dtype="bfloat16", repeats=3, attention="cudnn")),
@@ -75,7 +76,8 @@ def run_case(case: dict) -> dict:
             return jax.lax.scan(lambda h, p: (jax.checkpoint(layer)(h, p), None), h, p)[0]
     else:
         def stack(h, p):
-            return sco_scan(layer, h, p, offload=case["offload"])
+            return sco_scan(layer, h, p, offload=case["offload"],
+                            loop=case.get("loop", "scan"))
 
     step = jax.jit(jax.value_and_grad(
         lambda h, p: jnp.mean(stack(h, p).astype(jnp.float32) ** 2), argnums=(0, 1)))
@@ -92,7 +94,7 @@ def summarize(record: dict) -> str:
     rows = []
     for case in cases:
         label = "checkpointed lax.scan" if case["method"] == "scan" else (
-            f"sco_scan offload={case['offload']}")
+            f"sco_scan offload={case['offload']} ({case.get('loop', 'scan')})")
         if "error" in case:
             rows.append([label, "OOM" if case.get("oom") else "error", "-", "-", "-"])
             continue

@@ -112,6 +112,7 @@ class Trainer:
         self.config = config = self.plan.filled_config()
         self.runtime = runtime_for(config, self.mesh)
         self.xla_plan = None  # XLA's plan of the largest compiled program, once compiled
+        self.compile_seconds: dict[str, float] = {}  # per program compiled by this run
         self.offload = boundary_offload(config, self.mesh)
         self.run_dir = pathlib.Path(run_dir or config.train.run_dir.format(name=config.name))
         self.total_steps = config.train.steps
@@ -240,7 +241,9 @@ class Trainer:
         """The program compiled (or reused), its XLA plan checked against the device."""
         key = self._program_key(program)
         if key not in _PROGRAMS:
+            started = time.perf_counter()
             _PROGRAMS[key] = compile_it()
+            self.compile_seconds[what] = time.perf_counter() - started
         self._check_fits(_PROGRAMS[key], what)
         return _PROGRAMS[key]
 
@@ -396,7 +399,10 @@ class Trainer:
                 if not compiled:
                     started = time.perf_counter()
                     self.compile(state, batch)
-                    bar.write(f"compiled in {time.perf_counter() - started:.1f} s; XLA's plan "
+                    each = ", ".join(f"{what} {seconds:.1f} s"
+                                     for what, seconds in self.compile_seconds.items())
+                    bar.write(f"compiled in {time.perf_counter() - started:.1f} s "
+                              f"({each or 'all reused'}); XLA's plan "
                               f"{self.xla_plan.total / 2**30:.3f} GiB per device")
                     wait_for_every_process("peakflat-compiled")
                     compiled = True
@@ -471,6 +477,7 @@ class Trainer:
                                      default=None) or None,
             "host_bytes": max((r["host_bytes"] for r in history), default=0),
             "xla_plan_bytes": self.xla_plan and self.xla_plan.total,
+            "compile_seconds": self.compile_seconds,
             "devices": mop.num_devices(self.mesh),
             "device_kind": jax.devices()[0].device_kind,
         }
