@@ -462,11 +462,11 @@ def _sco_scanned_fwd(layer_fn, runs, carry, stacked_params):
             carry_next = layer_fn(carry, _layer_at(stacked_params, layer))
             if not to_host:
                 return carry_next, carry
-            # The copy of this layer's input runs while the layer computes, and is done before
-            # the next layer starts (the same tie as the unrolled loop's).
-            boundary, carry_next = lax.optimization_barrier(
-                (_move_boundary(carry, jax.memory.Space.Host), carry_next))
-            return carry_next, boundary
+            # The copy of this layer's input runs while the layer computes; the loop's output
+            # (a host buffer written in place) needs it done by the iteration's end. No barrier
+            # here: XLA:GPU's host offloading fails to compile one between the copy and the
+            # loop's write (jax 0.11.2).
+            return carry_next, _move_boundary(carry, jax.memory.Space.Host)
 
         carry, boundaries = lax.scan(body, carry, jnp.arange(start, stop, dtype=jnp.int32))
         saved.append(boundaries)

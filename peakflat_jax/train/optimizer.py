@@ -64,7 +64,8 @@ def with_hyperparams(opt_state, values: dict):
     from peakflat_jax.optim.offload_stream import OffloadStreamState
 
     def replace(path, leaf):
-        keys = [getattr(k, "key", None) for k in path]
+        # Dict entries are DictKeys (.key), the state's fields GetAttrKeys (.name).
+        keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
         if "hyperparams" in keys and keys[-1] in values:
             new = jnp.asarray(values[keys[-1]], leaf.dtype)
             sharding = getattr(leaf, "sharding", None)
