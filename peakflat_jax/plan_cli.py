@@ -150,10 +150,18 @@ def plan_from_arguments(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="peakflat plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    """``peakflat plan``'s exit status for ``argv``, as ``peakflat plan ...`` gives it."""
+    from peakflat_jax.cli import ArgumentParser, UsageError, parse_arguments
+
+    parser = ArgumentParser(prog="peakflat plan", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    try:
+        args = parse_arguments(parser, sys.argv[1:] if argv is None else list(argv))
+    except UsageError as error:
+        print(error, file=sys.stderr)
+        return 2
+    return run(args)
 
 
 # ----------------------------------------------------------------------------------------------
