@@ -1,6 +1,7 @@
 """The ``peakflat`` command.
 
-    peakflat train CONFIG [section.field=value ...] [--resume] [--run-dir DIR] [--no-progress]
+    peakflat train CONFIG [section.field=value ...] [--resume | --overwrite] [--run-dir DIR]
+                      [--no-progress]
     peakflat plan CONFIG [section.field=value ...] [--context N] [--devices W]
                       [--device-memory GiB] [--host-memory GiB] [--platform gpu|cpu] [--auto]
                       [--json]
@@ -16,7 +17,8 @@
 CONFIG is a YAML file or the name of a preset in configs/ (tiny, h200-1, ...). Overrides and
 flags come in any order. Bad input (an unknown key or flag, an ill-typed value, a missing file) is
 one line on stderr naming what is wrong and what was expected, exit status 2, before anything is
-compiled.
+compiled. An interrupted run (SIGINT, SIGTERM) saves a checkpoint, says how to resume it and exits
+130 or 143.
 """
 
 from __future__ import annotations
@@ -68,6 +70,13 @@ def parse_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> argpars
     if overrides:
         args.overrides = [*args.overrides, *overrides]
     return args
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command that resumes the run ``peakflat train`` was given ``argv`` (without the
+    program's name) for: the same words, ``--overwrite`` dropped, ``--resume`` added."""
+    words = [word for word in argv if word not in ("--overwrite", "--resume")]
+    return shlex.join(["peakflat", *words, "--resume"])
 
 
 def _prepare_environment() -> None:
@@ -132,10 +141,14 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    """Exit status 0 when the run finished, 2 for bad input (the config, the mesh, a step the
-    planner finds too large)."""
+    """Exit status 0 when the run finished (or was finished already), 2 for bad input (the
+    config, the mesh, the run directory, a step the planner finds too large), 128 + the
+    signal's number when it was interrupted."""
     from peakflat_jax.config import ConfigError, load_config
 
+    if args.resume and args.overwrite:
+        raise UsageError("peakflat train: --resume and --overwrite: expected at most one "
+                         "(continue the run in the run directory, or clear it first)")
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as error:
@@ -143,18 +156,24 @@ def _train(args: argparse.Namespace) -> int:
     # jax and the trainer only now: a bad config is answered without importing them.
     from peakflat_jax import mesh
     from peakflat_jax.plan import DoesNotFit, PlanError
+    from peakflat_jax.train.interrupts import Interrupted
     from peakflat_jax.train.trainer import train
 
     try:
         mesh.initialize_distributed(config.mesh)  # before anything starts a backend
         enable_compilation_cache()
-        train(config, resume=args.resume, run_dir=args.run_dir,
+        train(config, resume=args.resume, overwrite=args.overwrite, run_dir=args.run_dir,
               progress=False if args.no_progress else None)
     except (ConfigError, PlanError) as error:
         raise UsageError(f"peakflat train: {error}") from None
     except DoesNotFit as error:  # the planner's table of terms: several lines
         print(f"peakflat train: {error}", file=sys.stderr)
         return 2
+    except Interrupted as stop:
+        resume = (f"resume with: {resume_command(args.argv)}" if stop.saved_step is not None
+                  else "")
+        print(f"peakflat train: {stop}{'; ' if resume else ''}{resume}", file=sys.stderr)
+        return stop.exit_status
     return 0
 
 
@@ -209,7 +228,11 @@ def make_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", metavar="section.field=value",
                        help="config overrides, e.g. train.steps=10 operators.loss=materialized")
     train.add_argument("--resume", action="store_true",
-                       help="continue from the latest complete checkpoint in the run directory")
+                       help="continue from the latest complete checkpoint in the run directory "
+                            "(a finished run is left as it is)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="clear the run directory first (without it, or --resume, a run "
+                            "directory that holds a run is refused)")
     train.add_argument("--run-dir", help="where metrics and checkpoints go (default: "
                                          "train.run_dir of the config)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -231,8 +231,11 @@ class TrainConfig:
     """Where metrics, TensorBoard events and checkpoints go; ``{name}`` is the config's name."""
     log_every: int = 1
     """Write metrics every n steps."""
+    checkpoints: bool = True
+    """Save checkpoints: at the end, every ``checkpoint_every`` steps, and when the run is
+    interrupted (SIGINT, SIGTERM); false: none (nothing to ``--resume`` from)."""
     checkpoint_every: int = 0
-    """Save a checkpoint every n steps (and at the end); 0: never."""
+    """Also save a checkpoint every n steps; 0: only at the end (and when interrupted)."""
     keep_checkpoints: int = 2
     """How many complete checkpoints to keep."""
     async_checkpoints: bool = True

@@ -1,14 +1,18 @@
 """The ``peakflat`` command: bad input is one line naming what is wrong and exit status 2, before
 anything compiles; overrides and flags come in any order; ``peakflat plan CONFIG`` plans for the
-device the config names, on any machine."""
+device the config names, on any machine; a run directory holds one run. (Interrupts and resumes,
+which compile a trainer, are in test_train.py.)"""
 
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 
 from peakflat_jax import cli
+from peakflat_jax.train import interrupts
+from peakflat_jax.train import run_dir as run_dirs
 from tests.test_train import SMALL
 
 GIB = 2**30
@@ -43,6 +47,7 @@ def assert_one_line_naming(status: int, err: str, *names: str) -> None:
     (["--no-progress", "train.steps=-1"], "train.steps"),          # an override after a flag
     (["--bogus"], "--bogus"),
     (["--no-progress", "steps"], "steps"),
+    (["--resume", "--overwrite"], "--overwrite"),
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_bad_train_input_is_one_line_and_status_2(capsys, tmp_path, argv, key):
     status, _, err = run_main(capsys, "train", "tiny", *SMALL, *argv, "--run-dir",
@@ -115,6 +120,12 @@ def test_an_override_after_a_flag_reaches_the_config(capsys):
     assert_one_line_naming(status, err, "model.hiden")
 
 
+def test_the_resume_command_is_the_command_with_resume_and_without_overwrite():
+    argv = ["train", "tiny", "--overwrite", "train.steps=3", "--run-dir", "runs/a b"]
+    assert cli.resume_command(argv) == ("peakflat train tiny train.steps=3 --run-dir 'runs/a b' "
+                                        "--resume")
+
+
 # ----------------------------------------------------------------------------------------------
 # peakflat plan: the config's device, the flags over it.
 
@@ -146,3 +157,57 @@ def test_flags_and_overrides_override_the_config_device(capsys):
                                 "cpu", "--json")
     plan = json.loads(out)
     assert (plan["platform"], plan["device_bytes"]) == ("cpu", 100 * GIB), err
+
+
+# ----------------------------------------------------------------------------------------------
+# Run directories (refused before compiling; the runs themselves are in test_train.py).
+
+
+def train_into(capsys, run_dir, *flags):
+    return run_main(capsys, "train", "tiny", *SMALL, "--no-progress", "--run-dir", str(run_dir),
+                    *flags)
+
+
+def test_a_fresh_run_into_a_run_directory_that_holds_a_run_is_refused(capsys, tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    status, _, err = train_into(capsys, tmp_path)
+    assert_one_line_naming(status, err, str(tmp_path), "--resume", "--overwrite")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_resume_without_a_checkpoint_is_refused(capsys, tmp_path):
+    for run_dir in (tmp_path / "absent", tmp_path):
+        (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+        status, _, err = train_into(capsys, run_dir, "--resume")
+        assert_one_line_naming(status, err, "--resume", str(run_dir), "no complete checkpoint")
+    assert not (tmp_path / "absent").exists()
+
+
+def test_overwrite_clears_only_a_run_directory(capsys, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine\n")
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    status, _, err = train_into(capsys, tmp_path, "--overwrite")
+    assert_one_line_naming(status, err, "--overwrite", "notes.txt")
+    assert (tmp_path / "notes.txt").exists() and (tmp_path / "metrics.jsonl").exists()
+    (tmp_path / "notes.txt").unlink()
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    run_dirs.check_run_dir(tmp_path, resume=False, overwrite=True, saved_step=None)
+    run_dirs.clear_run_dir(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Signals.
+
+
+def test_stop_requests_note_signals_and_restore_the_handlers():
+    before = {s: signal.getsignal(s) for s in interrupts.SIGNALS}
+    with interrupts.StopRequests() as stop:
+        assert not stop.requested()
+        signal.raise_signal(signal.SIGTERM)  # noted, not acted on
+        assert stop.requested() and stop.signum == signal.SIGTERM
+    assert {s: signal.getsignal(s) for s in interrupts.SIGNALS} == before
+    stopped = interrupts.Interrupted(signal.SIGINT, 5, 12, 5, "runs/x/checkpoints")
+    assert stopped.exit_status == 130
+    assert str(stopped) == ("SIGINT: stopped after step 5 of 12; the checkpoint of step 5 is in "
+                            "runs/x/checkpoints")
