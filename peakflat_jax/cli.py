@@ -1,8 +1,10 @@
 """The ``peakflat`` command.
 
-    peakflat train CONFIG [section.field=value ...] [--resume] [--run-dir DIR] [--no-progress]
+    peakflat train CONFIG [section.field=value ...] [--resume | --overwrite] [--run-dir DIR]
+                      [--no-progress]
     peakflat plan CONFIG [section.field=value ...] [--context N] [--devices W]
-                      [--device-memory GiB] [--host-memory GiB] [--auto] [--json]
+                      [--device-memory GiB] [--host-memory GiB] [--platform gpu|cpu] [--auto]
+                      [--json]
     peakflat bench OPERATOR [--preset cpu|gpu|gpu-x8] [--only TEXT]... [--repeats N]
                       [--trace-steps N] [--out-dir DIR] [--json]
     peakflat xcheck export DIR [--config CONFIG] [--dtype float32|bfloat16] [--seed S]
@@ -12,7 +14,11 @@
                       [--reference float64|none]
                       [section.field=value ...]
 
-CONFIG is a YAML file or the name of a preset in configs/ (tiny, h200-1, ...).
+CONFIG is a YAML file or the name of a preset in configs/ (tiny, h200-1, ...). Overrides and
+flags come in any order. Bad input (an unknown key or flag, an ill-typed value, a missing file) is
+one line on stderr naming what is wrong and what was expected, exit status 2, before anything is
+compiled. An interrupted run (SIGINT, SIGTERM) saves a checkpoint, says how to resume it and exits
+130 or 143.
 """
 
 from __future__ import annotations
@@ -32,6 +38,45 @@ BENCHMARKS = {"ring_dtp": "peakflat_jax.bench.ring_dtp",
 # The benchmarks whose cases time one compiled step (harness.measure_compiled), which --trace-steps
 # profiles; offload_adamw times a step and host-side baselines its own way.
 TRACEABLE = ("moe_dispatch", "ring_dtp", "sco")
+
+
+class UsageError(Exception):
+    """Bad command-line input; its message is the one line to print (``peakflat CMD: ...``)."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with its errors as ``UsageError`` (one line, exit status 2, from ``main``)
+    instead of a usage block and ``SystemExit``."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def parse_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser``'s namespace of ``argv`` with overrides and flags in any order: argparse's
+    ``nargs="*"`` positionals stop at the first flag, so the ``section.field=value`` words after
+    one come back unrecognized and are appended to ``overrides`` here (where the command takes
+    them); any other leftover is an error."""
+    args, leftovers = parser.parse_known_args(argv)
+    overrides = [word for word in leftovers if "=" in word and not word.startswith("-")]
+    unknown = [word for word in leftovers if word not in overrides]
+    if overrides and not hasattr(args, "overrides"):
+        unknown = leftovers
+    if unknown:
+        command = " ".join([parser.prog, *[w for w in (getattr(args, "command", None),
+                                                       getattr(args, "action", None)) if w]])
+        raise UsageError(f"{command}: unrecognized arguments: {' '.join(unknown)} (expected "
+                         f"flags of `{command} --help` or section.field=value overrides)")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
+    return args
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command that resumes the run ``peakflat train`` was given ``argv`` (without the
+    program's name) for: the same words, ``--overwrite`` dropped, ``--resume`` added."""
+    words = [word for word in argv if word not in ("--overwrite", "--resume")]
+    return shlex.join(["peakflat", *words, "--resume"])
 
 
 def _prepare_environment() -> None:
@@ -60,23 +105,32 @@ def enable_compilation_cache() -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.repeats is not None and args.repeats < 1:
+        raise UsageError(f"peakflat bench: --repeats: expected a positive integer, got "
+                         f"{args.repeats}")
+    if args.trace_steps is not None:
+        if args.trace_steps < 1:
+            raise UsageError(f"peakflat bench: --trace-steps: expected a positive integer, got "
+                             f"{args.trace_steps}")
+        if args.operator not in TRACEABLE:
+            raise UsageError(f"peakflat bench: --trace-steps: {args.operator} times no single "
+                             f"compiled step; expected one of {sorted(TRACEABLE)}")
     module = importlib.import_module(BENCHMARKS[args.operator])
     from peakflat_jax.bench import harness
 
     presets = module.presets()
     if args.preset not in presets:
-        raise SystemExit(f"--preset: {args.operator} has {sorted(presets)}, got {args.preset!r}")
+        raise UsageError(f"peakflat bench: --preset: {args.operator} has {sorted(presets)}, got "
+                         f"{args.preset!r}")
     cases = presets[args.preset]
     if args.only:
         cases = [c for c in cases if any(text in json.dumps(c) for text in args.only)]
+        if not cases:
+            raise UsageError(f"peakflat bench: --only: no case of {args.operator} "
+                             f"--preset {args.preset} contains any of {args.only}")
     if args.repeats is not None:
         cases = [dict(c, repeats=args.repeats) for c in cases]
     if args.trace_steps is not None:
-        if args.trace_steps < 1:
-            raise SystemExit(f"--trace-steps: expected a positive int, got {args.trace_steps}")
-        if args.operator not in TRACEABLE:
-            raise SystemExit(f"--trace-steps: {args.operator} times no single compiled step; "
-                             f"expected one of {sorted(TRACEABLE)}")
         cases = [dict(c, trace_steps=args.trace_steps) for c in cases]
     command = shlex.join(["peakflat", *args.argv])
     record = harness.run_suite(BENCHMARKS[args.operator], args.operator, args.preset, cases,
@@ -87,27 +141,50 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    """Exit status 0 when the run finished (or was finished already), 2 for bad input (the
+    config, the mesh, the run directory, a step the planner finds too large), 128 + the
+    signal's number when it was interrupted."""
     from peakflat_jax.config import ConfigError, load_config
 
+    if args.resume and args.overwrite:
+        raise UsageError("peakflat train: --resume and --overwrite: expected at most one "
+                         "(continue the run in the run directory, or clear it first)")
     try:
         config = load_config(args.config, args.overrides)
-        from peakflat_jax import mesh
-        from peakflat_jax.train.trainer import DoesNotFit, train
+    except ConfigError as error:
+        raise UsageError(f"peakflat train: {error}") from None
+    # jax and the trainer only now: a bad config is answered without importing them.
+    from peakflat_jax import mesh
+    from peakflat_jax.plan import DoesNotFit, PlanError
+    from peakflat_jax.train.interrupts import Interrupted
+    from peakflat_jax.train.trainer import train
 
+    try:
         mesh.initialize_distributed(config.mesh)  # before anything starts a backend
         enable_compilation_cache()
-
-        train(config, resume=args.resume, run_dir=args.run_dir,
+        train(config, resume=args.resume, overwrite=args.overwrite, run_dir=args.run_dir,
               progress=False if args.no_progress else None)
-    except (ConfigError, DoesNotFit) as error:
+    except (ConfigError, PlanError) as error:
+        raise UsageError(f"peakflat train: {error}") from None
+    except DoesNotFit as error:  # the planner's table of terms: several lines
         print(f"peakflat train: {error}", file=sys.stderr)
         return 2
+    except Interrupted as stop:
+        resume = (f"resume with: {resume_command(args.argv)}" if stop.saved_step is not None
+                  else "")
+        print(f"peakflat train: {stop}{'; ' if resume else ''}{resume}", file=sys.stderr)
+        return stop.exit_status
     return 0
 
 
 def _xcheck(args: argparse.Namespace) -> int:
-    from peakflat_jax.config import ConfigError
+    from peakflat_jax.config import ConfigError, load_config
+    from peakflat_jax.plan import PlanError
 
+    try:
+        load_config(args.config, args.overrides)  # bad input before any export starts
+    except ConfigError as error:
+        raise UsageError(f"peakflat xcheck {args.action}: {error}") from None
     if args.action == "run":
         from peakflat_jax.xcheck.run import run
 
@@ -122,9 +199,8 @@ def _xcheck(args: argparse.Namespace) -> int:
     try:
         manifest = export(args.directory, config=args.config, overrides=tuple(args.overrides),
                           dtype=args.dtype, seed=args.seed)
-    except ConfigError as error:
-        print(f"peakflat xcheck export: {error}", file=sys.stderr)
-        return 2
+    except (ConfigError, PlanError) as error:
+        raise UsageError(f"peakflat xcheck export: {error}") from None
     print(f"exported {len(manifest['cases'])} cases ({', '.join(manifest['cases'])}) to "
           f"{args.directory}; check them with: python peakflat_jax/xcheck/torch_side.py "
           f"{shlex.quote(str(args.directory))}", file=sys.stderr)
@@ -132,15 +208,31 @@ def _xcheck(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="peakflat", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    """``peakflat``'s exit status for ``argv`` (default ``sys.argv[1:]``); bad input is one line
+    on stderr and status 2."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _main(argv)
+    except UsageError as error:
+        print(error, file=sys.stderr)
+        return 2
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The ``peakflat`` command's parser (its subcommands' arguments)."""
+    parser = ArgumentParser(prog="peakflat", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train the MoP decoder of a config")
     train.add_argument("config", help="a YAML file, or a preset's name in configs/")
     train.add_argument("overrides", nargs="*", metavar="section.field=value",
                        help="config overrides, e.g. train.steps=10 operators.loss=materialized")
     train.add_argument("--resume", action="store_true",
-                       help="continue from the latest complete checkpoint in the run directory")
+                       help="continue from the latest complete checkpoint in the run directory "
+                            "(a finished run is left as it is)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="clear the run directory first (without it, or --resume, a run "
+                            "directory that holds a run is refused)")
     train.add_argument("--run-dir", help="where metrics and checkpoints go (default: "
                                          "train.run_dir of the config)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -184,8 +276,13 @@ def main(argv: list[str] | None = None) -> int:
         action.add_argument("--seed", type=int, default=0)
         action.add_argument("overrides", nargs="*", metavar="section.field=value",
                             help="config overrides, e.g. data.seq_len=64")
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _main(argv: list[str]) -> int:
+    from peakflat_jax import plan_cli
+
+    args = parse_arguments(make_parser(), argv)
     args.argv = argv
     _prepare_environment()
     if args.command == "train":

@@ -1,8 +1,9 @@
 """Run configurations: frozen dataclasses with a docstring under each field, read from YAML.
 
 A config file is a mapping of sections (``model``, ``mesh``, ``data``, ``operators``,
-``optimizer``, ``train``), each setting fields of its dataclass; ``key=value`` overrides on the
-command line address a field as ``section.field`` (``train.steps=20``) and take a YAML value.
+``optimizer``, ``train``, ``device``), each setting fields of its dataclass; ``key=value``
+overrides on the command line address a field as ``section.field`` (``train.steps=20``) and take
+a YAML value.
 Every key must name a field and every value must have the field's type: a mistake is an error
 that names the key, raised before anything is compiled.
 
@@ -233,8 +234,11 @@ class TrainConfig:
     """Where metrics, TensorBoard events and checkpoints go; ``{name}`` is the config's name."""
     log_every: int = 1
     """Write metrics every n steps."""
+    checkpoints: bool = True
+    """Save checkpoints: at the end, every ``checkpoint_every`` steps, and when the run is
+    interrupted (SIGINT, SIGTERM); false: none (nothing to ``--resume`` from)."""
     checkpoint_every: int = 0
-    """Save a checkpoint every n steps (and at the end); 0: never."""
+    """Also save a checkpoint every n steps; 0: only at the end (and when interrupted)."""
     keep_checkpoints: int = 2
     """How many complete checkpoints to keep."""
     async_checkpoints: bool = True
@@ -243,6 +247,26 @@ class TrainConfig:
     """Show a progress bar on a terminal."""
     device_memory_gib: float | None = None
     """The device's memory for the fit check (GiB); None: read from the device."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceConfig:
+    """The machine a config is meant for, so that ``peakflat plan CONFIG`` answers for it on any
+    machine (a laptop plans an H200 run); its flags (``--platform``, ``--devices``,
+    ``--device-memory``, ``--host-memory``) override these fields. ``peakflat train`` runs on
+    the devices it finds and checks against their memory (or ``train.device_memory_gib``)."""
+
+    platform: Literal["gpu", "cpu"] = "cpu"
+    """The devices' kind; the plan's attention kernel and grouped matmul follow it."""
+    count: int | None = None
+    """W, the devices of the run; None: the mesh's ``data x seq`` where ``mesh.seq`` is set,
+    else the devices of the machine that plans."""
+    memory_gib: float | None = None
+    """Memory per device in GiB (a GPU's allocator limit); None: read from the local device,
+    and on a CPU, whose devices live in the host's memory, one device's share of the host."""
+    host_memory_gib: float | None = None
+    """Host memory per device in GiB (the share of its host's memory that one device's process
+    may use); None: the planning machine's physical memory over its local devices."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +281,7 @@ class Config:
     operators: OperatorsConfig = OperatorsConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     train: TrainConfig = TrainConfig()
+    device: DeviceConfig = DeviceConfig()
 
     def replace(self, **sections) -> Config:
         """A copy with some fields of some sections replaced: ``replace(train={"steps": 3})``."""
@@ -403,7 +428,7 @@ def check_config(config: Config) -> Config:
                    ("optimizer.learning_rate", opt.learning_rate),
                    ("train.checkpoint_every", t.checkpoint_every)]
     for key, value in nonnegative:
-        if value < 0:
+        if not value >= 0:  # NaN too
             raise ConfigError(f"{key}: expected a non-negative number, got {value}")
     if m.num_dense_layers > m.num_layers:
         raise ConfigError(f"model.num_dense_layers: expected at most model.num_layers = "
@@ -452,6 +477,17 @@ def check_config(config: Config) -> Config:
     if opt.max_grad_norm is not None and opt.max_grad_norm <= 0:
         raise ConfigError(f"optimizer.max_grad_norm: expected null or a positive number, got "
                           f"{opt.max_grad_norm}")
+    if t.device_memory_gib is not None and not t.device_memory_gib > 0:
+        raise ConfigError(f"train.device_memory_gib: expected null or a positive number of GiB, "
+                          f"got {t.device_memory_gib}")
+    target = config.device
+    if target.count is not None and target.count < 1:
+        raise ConfigError(f"device.count: expected null or a positive integer, got "
+                          f"{target.count}")
+    for key, value in (("device.memory_gib", target.memory_gib),
+                       ("device.host_memory_gib", target.host_memory_gib)):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"{key}: expected null or a positive number of GiB, got {value}")
     return config
 
 

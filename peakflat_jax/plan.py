@@ -1212,14 +1212,23 @@ def read_host_memory() -> int:
     return physical // max(1, jax.local_device_count())
 
 
+def cpu_device_memory(host_memory: int) -> int:
+    """What one CPU device may hold: its share of the host's memory (``host_memory``, per
+    device), the memory its buffers come from. The host terms are held to the same share on
+    their own, so a plan can overcommit it by up to twice; it refuses what cannot run."""
+    return host_memory
+
+
 def check_plan(config: Config, mesh_or_devices, device_memory: int | None = None,
                host_memory: int | None = None) -> Plan:
     """The plan of ``config`` on a mesh (or a device count, or a list of devices) at its
     ``data.seq_len``, null knobs filled (``Plan.knobs``: run with these). Memories in bytes per
     device; None: ``train.device_memory_gib``, else read from the devices (the host: its
     physical memory over its local devices). Raises DoesNotFit, with the table of terms and what
-    to change, when the step does not fit; where the device's memory is unknown (CPU) only the
-    host is checked."""
+    to change, when the step does not fit. A CPU does not report its devices' memory: they live
+    in the host's, so each is held to its share of the host (``cpu_device_memory``); without
+    that, a config a thousand times too large reached XLA:CPU's compiler, which died of a
+    division by zero (SIGFPE) emitting the T x T attention scores at T = 2^20."""
     devices = None
     if isinstance(mesh_or_devices, int):
         num_devices = mesh_or_devices
@@ -1239,10 +1248,18 @@ def check_plan(config: Config, mesh_or_devices, device_memory: int | None = None
         host_memory = read_host_memory()
     plan = make_plan(config, num_devices, device_memory=device_memory, host_memory=host_memory,
                      platform=platform, baseline=False, search_context=False)
+    if plan.device_memory is None and platform == "cpu":
+        # After choosing the knobs: those chosen with the memory unknown (the lightest) stay.
+        plan = dataclasses.replace(plan, device_memory=cpu_device_memory(host_memory))
     if plan.fits_device is False or plan.fits_host is False:
         from peakflat_jax.plan_cli import format_table
 
-        raise DoesNotFit(f"{config.name} does not fit:\n" + format_table(plan))
+        # The table's last line is the largest context that does fit (a closed-form search).
+        largest = largest_context(config, num_devices, device_memory=plan.device_memory,
+                                  host_memory=host_memory, platform=platform, knobs=plan.knobs)
+        plan = dataclasses.replace(plan, largest_context=largest)
+        raise DoesNotFit(f"{config.name} does not fit: {plan.reasons()[0]}\n"
+                         + format_table(plan))
     return plan
 
 

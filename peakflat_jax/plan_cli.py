@@ -4,11 +4,13 @@
                   [--device-memory GiB] [--host-memory GiB] [--platform gpu|cpu] [--auto]
                   [--rate NAME=VALUE ...] [--json]
 
-Memories are per device, in GiB (the host's: the share of its memory one device's process may
-use); without them the plan reads the local device (its allocator's limit; a CPU reports none,
-so there --device-memory is required) and the host (physical memory over local devices).
-``--platform`` is what the plan is for: the attention kernel and the grouped matmul follow it
-(default gpu; ``--platform cpu`` plans for XLA:CPU's kernels).
+A config names the machine it is meant for (its ``device`` section: platform, device count,
+memory per device, host memory per device), so that the plan answers for that machine wherever
+it runs; the flags override it. Memories are per device, in GiB (the host's: the share of its
+memory one device's process may use). Where neither gives one, the plan reads the local device
+(its allocator's limit; a CPU's devices live in the host's memory, so each gets its share of
+it) and the host (physical memory over local devices). ``--platform`` is what the plan is for:
+the attention kernel and the grouped matmul follow it.
 """
 
 from __future__ import annotations
@@ -31,13 +33,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="config overrides, e.g. operators.token_budget=4096")
     parser.add_argument("--context", type=int, help="tokens per sequence (default: "
                                                      "data.seq_len)")
-    parser.add_argument("--devices", type=int, help="W devices (default: the local ones)")
+    parser.add_argument("--devices", type=int, help="W devices (default: device.count, else "
+                                                     "the mesh's data x seq, else the local ones)")
     parser.add_argument("--device-memory", type=float, metavar="GiB",
-                        help="memory per device (default: read from the local device)")
+                        help="memory per device (default: device.memory_gib, else read from "
+                             "the local device)")
     parser.add_argument("--host-memory", type=float, metavar="GiB",
-                        help="host memory per device (default: physical / local devices)")
+                        help="host memory per device (default: device.host_memory_gib, else "
+                             "physical / local devices)")
     parser.add_argument("--platform", choices=("gpu", "cpu"),
-                        help="the devices planned for (default gpu)")
+                        help="the devices planned for (default: device.platform)")
     parser.add_argument("--auto", action="store_true",
                         help="choose the token budget, vocab block, offload set, optimizer "
                              "placement, buckets and slots, and the mesh split: the longest "
@@ -98,39 +103,65 @@ def run(args: argparse.Namespace) -> int:
 
 
 def plan_from_arguments(args: argparse.Namespace):
-    """The ``peakflat_jax.plan.Plan`` the arguments ask for."""
+    """The ``peakflat_jax.plan.Plan`` the arguments ask for: the config's ``device`` section,
+    with the flags over it."""
     import jax
 
-    from peakflat_jax.plan import PlanError, make_plan, read_device_memory, read_host_memory
+    from peakflat_jax import plan as planner
+    from peakflat_jax.plan import GIB, PlanError
 
     config = load_config(args.config, args.overrides)
-    local = jax.devices()
-    local_platform = "gpu" if local[0].platform in ("gpu", "cuda", "rocm") else "cpu"
-    platform = args.platform or "gpu"
-    devices = len(local) if args.devices is None else args.devices
-    if isinstance(devices, bool) or devices < 1:
+    target = config.device
+    platform = args.platform or target.platform
+    devices = args.devices
+    if devices is None:
+        devices = target.count
+    if devices is None and config.mesh.seq != -1:
+        devices = config.mesh.data * config.mesh.seq
+    if isinstance(devices, bool) or devices is not None and devices < 1:
         raise PlanError(f"--devices: expected a positive integer, got {devices}")
     if args.context is not None and args.context < 1:
         raise PlanError(f"--context: expected a positive number of tokens, got {args.context}")
     device_memory = _gib_argument("--device-memory", args.device_memory)
-    if device_memory is None:
-        device_memory = read_device_memory()
-        if device_memory is None:
-            raise PlanError(f"--device-memory: the local {local_platform} devices do not report "
-                            f"their memory; give it in GiB per device")
     host_memory = _gib_argument("--host-memory", args.host_memory)
+    if device_memory is None and target.memory_gib is not None:
+        device_memory = int(target.memory_gib * GIB)
+    if host_memory is None and target.host_memory_gib is not None:
+        host_memory = int(target.host_memory_gib * GIB)
+    # Only what neither the flags nor the config say is read from this machine.
+    if devices is None:
+        devices = len(jax.devices())
     if host_memory is None:
-        host_memory = read_host_memory()
-    return make_plan(config, devices, context=args.context, device_memory=device_memory,
-                     host_memory=host_memory, platform=platform, auto=args.auto,
-                     rates=parse_rates(args.rate))
+        host_memory = planner.read_host_memory()
+    if device_memory is None:
+        local = jax.devices()[0].platform
+        local = "gpu" if local in ("gpu", "cuda", "rocm") else "cpu"
+        if platform == "cpu":
+            device_memory = planner.cpu_device_memory(host_memory)
+        elif local == "gpu":
+            device_memory = planner.read_device_memory()
+        if device_memory is None:
+            raise PlanError(f"--device-memory: {config.name}'s device.memory_gib is null and "
+                            f"this machine has no {platform} device to read it from; give it in "
+                            f"GiB per device")
+    return planner.make_plan(config, devices, context=args.context,
+                             device_memory=device_memory, host_memory=host_memory,
+                             platform=platform, auto=args.auto, rates=parse_rates(args.rate))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="peakflat plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    """``peakflat plan``'s exit status for ``argv``, as ``peakflat plan ...`` gives it."""
+    from peakflat_jax.cli import ArgumentParser, UsageError, parse_arguments
+
+    parser = ArgumentParser(prog="peakflat plan", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    try:
+        args = parse_arguments(parser, sys.argv[1:] if argv is None else list(argv))
+    except UsageError as error:
+        print(error, file=sys.stderr)
+        return 2
+    return run(args)
 
 
 # ----------------------------------------------------------------------------------------------

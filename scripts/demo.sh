@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job, on any machine: trains configs/tiny.yaml (a 2.7M-parameter MoE, all four
 # operators on) on 8 simulated CPU devices, or on the GPUs present with overrides for them.
-# Extra arguments are config overrides, e.g. `bash scripts/demo.sh train.steps=10`.
+# Extra arguments are config overrides or flags, in any order: `bash scripts/demo.sh train.steps=10`;
+# a second run needs `--overwrite` (start again) or `--resume` (continue the first).
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 exec peakflat train tiny --run-dir "${PEAKFLAT_OUT:-runs/tiny}" "$@"

@@ -53,12 +53,13 @@ case "${1:-}" in
         off) extra=("${off[@]}") ;;
       esac
       timeout 150 python3 -m peakflat_jax.cli train tiny "${common[@]}" "${extra[@]}" \
-        --run-dir "/tmp/smoke-$run"
+        --run-dir "/tmp/smoke-$run" --overwrite
       cp "/tmp/smoke-$run/summary.json" "$out/smoke-$run-summary.json" 2>/dev/null
     done ;;
   h200-train)
+    # No checkpoints: one is ~41 GB, and this run measures, it is never resumed.
     timeout 330 python3 -m peakflat_jax.cli train h200-1 "train.steps=${2:-100}" \
-      --run-dir /tmp/h200-1
+      train.checkpoints=false --run-dir /tmp/h200-1 --overwrite
     cp /tmp/h200-1/summary.json "$out/h200-1-summary.json"
     cp /tmp/h200-1/metrics.jsonl "$out/h200-1-metrics.jsonl"
     timeout 250 python3 -m peakflat_jax.cli bench train_step --preset gpu \

@@ -430,8 +430,9 @@ def test_check_plan_refuses_with_the_table_and_what_to_change():
     assert "kept_boundaries" in message and "to change" in message
     plan = pl.check_plan(config, 8, device_memory=64 * MIB)
     assert plan.feasible and plan.knobs.token_budget == 16
-    # On CPU the device does not say its memory: only the host is checked.
-    assert pl.check_plan(config, jax.devices()).feasible is None
+    # A CPU does not say its devices' memory: they live in the host's, each holds its share.
+    on_cpu = pl.check_plan(config, jax.devices())
+    assert on_cpu.feasible and on_cpu.device_memory == pl.read_host_memory()
     assert pl.device_total_bytes(config, 8) == pl.check_plan(config, 8).total_bytes
     # The trainer runs the plan's knobs: a null budget comes back filled.
     null = small("operators.token_budget=null")
@@ -456,9 +457,9 @@ def test_bad_input_is_named(argv, message):
     assert status == 2 and message in err, err
 
 
-def test_unknown_device_memory_on_cpu_is_an_error():
-    status, _, err = run_plan("tiny", "--devices", "8")
-    assert status == 2 and "--device-memory" in err and "GiB" in err
+def test_unknown_gpu_memory_on_a_machine_without_a_gpu_is_an_error():
+    status, _, err = run_plan("tiny", "--devices", "8", "--platform", "gpu")
+    assert status == 2 and "--device-memory" in err and "device.memory_gib" in err, err
 
 
 def test_bad_sizes_in_the_config_are_named():

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -99,8 +101,9 @@ def test_resume_is_exact(tmp_path, optimizer_offload):
     summary = straight.run(progress=False)
     half = Trainer(config, run_dir=str(tmp_path / "b")).run(progress=False, stop_after=3)
     resumed = Trainer(config, run_dir=str(tmp_path / "b"))
-    rest = resumed.run(resume=True, progress=False)
-    assert half["losses"] + rest["losses"] == summary["losses"]
+    whole = resumed.run(resume=True, progress=False)  # the summary of all 6 steps
+    assert half["losses"] == summary["losses"][:3] and whole["losses"] == summary["losses"]
+    assert whole["resumed_from"] == 3 and whole["steps"] == 6
     chex.assert_trees_all_equal(leaves_of(straight.final_state), leaves_of(resumed.final_state))
 
 
@@ -110,10 +113,21 @@ def run_cli(args, env=None, timeout=900):
                           capture_output=True, text=True, env=env, timeout=timeout)
 
 
+def read_metrics(run_dir: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def snapshot(run_dir: pathlib.Path) -> dict:
+    """Every file under ``run_dir`` with its size and modification time."""
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in run_dir.rglob("*")}
+
+
 @pytest.mark.slow
 def test_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path):
     """A run killed while its step-4 checkpoint is being written resumes from step 2's and
-    computes steps 3 and 4 again, to the same losses the killed run logged."""
+    computes steps 3 and 4 again, to the same losses the killed run logged; the metrics hold
+    each step once and the summary covers the whole run. A --resume of the finished run then
+    changes nothing."""
     # The model does not matter here: a one-layer dense one compiles fastest.
     common = ["train", "tiny", *SMALL, "model.num_layers=1", "train.checkpoint_every=2",
               "--run-dir", str(tmp_path), "--no-progress"]
@@ -121,13 +135,82 @@ def test_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path
     assert killed.returncode == 17, killed.stderr[-2000:]
     steps = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert "2" in steps and "4" not in steps, steps  # 4 never completed
-    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = read_metrics(tmp_path)
     assert [r["step"] for r in logged] == [1, 2, 3, 4]
     resumed = run_cli([*common, "--resume"])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    again = read_metrics(tmp_path)
+    assert [r["step"] for r in again] == [1, 2, 3, 4]  # steps 3 and 4 once, computed again
+    assert [r["loss"] for r in again] == [r["loss"] for r in logged]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["steps"] == 4 and len(summary["losses"]) == 2  # steps 3 and 4 again
-    assert summary["losses"] == [r["loss"] for r in logged[2:]]
+    assert summary["steps"] == 4 and summary["resumed_from"] == 2
+    assert summary["losses"] == [r["loss"] for r in logged]
+    before = snapshot(tmp_path)
+    finished = run_cli([*common, "--resume"], timeout=120)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert "at step 4 of 4 already" in finished.stderr and "compiled" not in finished.stderr
+    assert snapshot(tmp_path) == before
+
+
+def start_cli(args, ignore_sigint: bool = False) -> subprocess.Popen:
+    """``peakflat ...`` in a subprocess, stderr piped; ``ignore_sigint``: started with SIGINT
+    ignored, as a shell without job control starts a background job (POSIX): a shell that
+    ignores it execs the command, which inherits that (and keeps the pid the signal goes to)."""
+    command = [sys.executable, "-m", "peakflat_jax.cli", *args]
+    if ignore_sigint:
+        command = ["sh", "-c", 'trap "" INT; exec "$0" "$@"', *command]
+    return subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def signal_after_the_first_step(process: subprocess.Popen, signum: int) -> tuple[int, list]:
+    """Sends ``signum`` once the run prints its first step line; (exit status, stderr lines)."""
+    lines = []
+    for line in process.stderr:
+        lines.append(line.rstrip("\n"))
+        if line.startswith("step "):
+            process.send_signal(signum)
+            break
+    lines += process.stderr.read().splitlines()
+    return process.wait(timeout=300), lines
+
+
+@pytest.mark.slow
+def test_sigterm_and_sigint_stop_after_the_step_with_a_checkpoint_and_how_to_resume(tmp_path):
+    """SIGTERM (a cluster's preemption) after the first step line: the step in flight finishes,
+    a checkpoint of it is saved, exit status 143 and one line naming the step and the command
+    that resumes; that command continues from the step, and SIGINT (sent to a process started
+    with SIGINT ignored, which used to run on to the end) stops it the same way, status 130.
+    Every step is in metrics.jsonl once; --overwrite cleared the old run's records first."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 99.0}\n')  # an older run
+    args = ["train", "tiny", *SMALL, "model.num_layers=1", "train.steps=60", "--run-dir",
+            str(tmp_path), "--overwrite"]  # steps to spare: the signal comes after the first
+    status, lines = signal_after_the_first_step(start_cli(args), signal.SIGTERM)
+    assert status == 143, "\n".join(lines[-20:])
+    last = lines[-1]
+    assert last.startswith("peakflat train: SIGTERM: stopped after step ") and "Traceback" not in \
+        "\n".join(lines), "\n".join(lines[-20:])
+    step = int(last.split("stopped after step ")[1].split()[0])
+    assert f"the checkpoint of step {step} is in {tmp_path / 'checkpoints'}" in last
+    command = shlex.split(last.split("resume with: ")[1])
+    assert command == ["peakflat", *[a for a in args if a != "--overwrite"], "--resume"]
+    assert str(step) in [p.name for p in (tmp_path / "checkpoints").iterdir()]
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, step + 1))
+
+    status, lines = signal_after_the_first_step(start_cli(command[1:], ignore_sigint=True),
+                                                signal.SIGINT)
+    assert status == 130, "\n".join(lines[-20:])
+    banner = next(line for line in lines if line.startswith("peakflat train tiny:"))
+    assert banner.endswith(f"step {step} of 60")  # resumed at the step
+    assert next(line for line in lines if line.startswith("step ")).startswith(
+        f"step {step + 1}/60")
+    last = lines[-1]
+    assert last.startswith("peakflat train: SIGINT: stopped after step "), last
+    second = int(last.split("stopped after step ")[1].split()[0])
+    assert second > step and f"the checkpoint of step {second} is in" in last
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, second + 1))
+    assert 99.0 not in [r["loss"] for r in records]
 
 
 def free_port() -> int:
@@ -215,10 +298,9 @@ def test_overlapped_optimizer_changes_no_bit(tmp_path):
     overlapped = [*common, "train.checkpoint_every=2"]
     first = Trainer(small_config(*overlapped), run_dir=str(tmp_path / "overlap"))
     assert first.overlap
-    losses = first.run(progress=False, stop_after=2)["losses"]
+    assert first.run(progress=False, stop_after=2)["losses"] == expected[:2]
     resumed = Trainer(small_config(*overlapped), run_dir=str(tmp_path / "overlap"))
-    losses += resumed.run(resume=True, progress=False)["losses"]
-    assert losses == expected
+    assert resumed.run(resume=True, progress=False)["losses"] == expected  # the whole run's
     chex.assert_trees_all_equal(
         jax.device_get((plain.final_state.params, plain.final_state.extras,
                         plain.final_state.opt_state)),

@@ -7,7 +7,8 @@ restored into host memory, and its layout as JSON beside them, checked before re
 Grain iterator's state, and ``meta`` (step, config, the rest of the train state). Saves run in
 the background where orbax can (``train.async_checkpoints``); orbax writes a step into a
 temporary directory and renames it when complete, so a run killed during a save resumes from
-the last complete checkpoint and loses nothing that was complete.
+the last complete checkpoint and loses nothing that was complete. The trainer saves at the end,
+every ``train.checkpoint_every`` steps and when interrupted, unless ``train.checkpoints`` is off.
 
 The train state holds no random key: initialisation is a pure function of ``train.seed`` (in
 ``meta``) and the data order is the data iterator's state.
@@ -34,7 +35,7 @@ class Checkpoints:
         self.config = config
         train = config.train
         self._manager = None
-        if train.checkpoint_every or self.directory.exists():
+        if train.checkpoints or self.directory.exists():
             options = ocp.CheckpointManagerOptions(
                 max_to_keep=train.keep_checkpoints, create=True,
                 enable_async_checkpointing=train.async_checkpoints)
@@ -86,6 +87,15 @@ class Checkpoints:
         if self._manager is not None:
             self._manager.wait_until_finished()
             self._manager.close()
+
+
+def latest_step(directory: pathlib.Path) -> int | None:
+    """The step of the latest complete checkpoint under ``directory`` (None where there is
+    none), without opening a manager: nothing is created or changed."""
+    if not directory.is_dir():
+        return None
+    steps = ocp.utils.checkpoint_steps(directory.absolute())
+    return max(steps) if steps else None
 
 
 def _opt_metadata(optimizer, opt_state) -> dict:

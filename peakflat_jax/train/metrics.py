@@ -58,20 +58,39 @@ def host_resident_bytes() -> int:
     return 0
 
 
-class MetricsWriter:
-    """JSONL (``metrics.jsonl``) and TensorBoard event files under ``run_dir``, process 0 only."""
+def read_records(run_dir: pathlib.Path) -> list[dict]:
+    """The records of ``run_dir/metrics.jsonl`` (none where there is no file)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
-    def __init__(self, run_dir: pathlib.Path, *, enabled: bool = True):
+
+class MetricsWriter:
+    """JSONL (``metrics.jsonl``) and TensorBoard event files under ``run_dir``, process 0 only.
+
+    ``resume_step``: the step a resumed run continues after. The records of later steps (those
+    that a run killed between checkpoints wrote, and that the resumed run computes again) are
+    dropped from the JSONL, and TensorBoard is told to discard its events from the next step on
+    (``purge_step``), so that every step is recorded once."""
+
+    def __init__(self, run_dir: pathlib.Path, *, enabled: bool = True,
+                 resume_step: int | None = None):
         self.enabled = enabled and jax.process_index() == 0
         self.run_dir = run_dir
         self._jsonl = None
         self._tensorboard = None
         if self.enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = (run_dir / "metrics.jsonl").open("a")
+            path = run_dir / "metrics.jsonl"
+            if resume_step is not None and path.exists():
+                kept = [r for r in read_records(run_dir) if r["step"] <= resume_step]
+                path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            self._jsonl = path.open("a" if resume_step is not None else "w")
             from tensorboardX import SummaryWriter
 
-            self._tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
+            purge = None if resume_step is None else resume_step + 1
+            self._tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
 
     def write(self, step: int, metrics: dict) -> None:
         if not self.enabled:

@@ -15,6 +15,10 @@ Reported per step (JSONL + TensorBoard under ``train.run_dir``, a progress bar o
 loss, learning rate, gradient norm, tokens/s, model TFLOP/s per device and MFU (model FLOPs of
 ``model.size``, the device's dense peak), peak device memory, host memory. A batch without a
 valid target is reported and skipped (its mean loss is NaN).
+
+A run directory holds one run (``run_dir``: what it holds, when a run may use it; checkpoints at
+the end, every ``train.checkpoint_every`` steps and when interrupted), and SIGINT or SIGTERM
+stops a run after the step in flight with a checkpoint saved (``interrupts``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import sys
 import time
 from typing import Any
 
@@ -44,7 +49,9 @@ from peakflat_jax.ops.sco import PerLayer
 from peakflat_jax.plan import DoesNotFit, check_plan, offload_flags
 from peakflat_jax.train import checkpoint as ckpt
 from peakflat_jax.train import data as data_pipeline
+from peakflat_jax.train import interrupts
 from peakflat_jax.train import metrics as report
+from peakflat_jax.train import run_dir as run_dirs
 from peakflat_jax.train.optimizer import (
     DeviceAdamW,
     hyperparams_at,
@@ -369,19 +376,39 @@ class Trainer:
         return {key: jax.make_array_from_process_local_data(sharding, value)
                 for key, value in local.items()}
 
-    def run(self, *, resume: bool = False, progress: bool | None = None,
-            stop_after: int | None = None) -> dict:
+    def run(self, *, resume: bool = False, overwrite: bool = False,
+            progress: bool | None = None, stop_after: int | None = None) -> dict:
         """Trains to ``train.steps`` (or stops after step ``stop_after``, as an interrupted run
-        would) and returns the summary."""
+        would) and returns the summary of the whole run. The run directory is checked first
+        (``run_dir.check_run_dir``: a fresh run needs it empty unless ``overwrite``, which
+        clears it; ``resume`` needs a checkpoint); a resumed run that is at its last step
+        already is left as it is. SIGINT or SIGTERM stops the run after the step in flight,
+        saves a checkpoint (where ``train.checkpoints``) and raises ``Interrupted``."""
         config = self.config
         last_step = self.total_steps if stop_after is None else min(stop_after,
                                                                     self.total_steps)
         progress = config.train.progress if progress is None else progress
-        checkpoints = ckpt.Checkpoints(self.run_dir / "checkpoints", config)
+        checkpoint_dir = self.run_dir / "checkpoints"
+        saved_step = ckpt.latest_step(checkpoint_dir) if resume else None
+        run_dirs.check_run_dir(self.run_dir, resume=resume, overwrite=overwrite,
+                               saved_step=saved_step)
+        if resume and saved_step >= last_step:
+            return self._finished_already(saved_step)
+        wait_for_every_process("peakflat-run-dir-checked")  # before process 0 clears it
+        if overwrite and jax.process_index() == 0:
+            run_dirs.clear_run_dir(self.run_dir)
+        wait_for_every_process("peakflat-run-dir-ready")
+        checkpoints = ckpt.Checkpoints(checkpoint_dir, config)
         state = self.initial_state()
+        resumed_from = None
         if resume:
-            state = checkpoints.restore_latest(state, self.batches, self.optimizer) or state
-        writer = report.MetricsWriter(self.run_dir)
+            state = checkpoints.restore_latest(state, self.batches, self.optimizer)
+            resumed_from = state.step
+        # The records of the steps before the resume, for the summary of the whole run (those
+        # of later steps, which this run computes again, are dropped).
+        earlier = [r for r in report.read_records(self.run_dir)
+                   if resumed_from is not None and r["step"] <= resumed_from]
+        writer = report.MetricsWriter(self.run_dir, resume_step=resumed_from)
         if jax.process_index() == 0:
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(config), indent=1))
         bar = report.Progress(self.total_steps, state.step, enabled=progress)
@@ -391,60 +418,85 @@ class Trainer:
         peak = report.peak_flops(jax.devices()[0], config.model.dtype)
         history = []
         compiled = False
+        stop = interrupts.StopRequests()
         wait_for_every_process("peakflat-started")  # before the first collective
         try:
-            while state.step < last_step:
-                batch = self.global_batch(next(self.batches))
-                valid = int(jnp.sum(batch["targets"] != IGNORE))
-                if not compiled:
+            with stop:
+                # Asked before a step's batch is drawn: a checkpoint's data position is then
+                # always that of its step.
+                while state.step < last_step and not stop.requested():
+                    batch = self.global_batch(next(self.batches))
+                    valid = int(jnp.sum(batch["targets"] != IGNORE))
+                    if not compiled:
+                        started = time.perf_counter()
+                        self.compile(state, batch)
+                        each = ", ".join(f"{what} {seconds:.1f} s"
+                                         for what, seconds in self.compile_seconds.items())
+                        bar.write(f"compiled in {time.perf_counter() - started:.1f} s "
+                                  f"({each or 'all reused'}); XLA's plan "
+                                  f"{self.xla_plan.total / 2**30:.3f} GiB per device")
+                        wait_for_every_process("peakflat-compiled")
+                        compiled = True
+                    if valid == 0:  # mean over no token: NaN; report it, keep the weights
+                        bar.write(f"step {state.step + 1}: batch without a valid target, "
+                                  f"skipped")
+                        state = dataclasses.replace(state, step=state.step + 1)
+                        continue
                     started = time.perf_counter()
-                    self.compile(state, batch)
-                    each = ", ".join(f"{what} {seconds:.1f} s"
-                                     for what, seconds in self.compile_seconds.items())
-                    bar.write(f"compiled in {time.perf_counter() - started:.1f} s "
-                              f"({each or 'all reused'}); XLA's plan "
-                              f"{self.xla_plan.total / 2**30:.3f} GiB per device")
-                    wait_for_every_process("peakflat-compiled")
-                    compiled = True
-                if valid == 0:  # mean over no token: NaN; report it, keep the weights
-                    bar.write(f"step {state.step + 1}: batch without a valid target, skipped")
-                    state = dataclasses.replace(state, step=state.step + 1)
-                    continue
-                started = time.perf_counter()
-                state, metrics = self.step(state, batch)
-                loss = float(metrics["loss"])  # waits for the step
-                seconds = time.perf_counter() - started
-                tflops = self.flops_per_token * tokens_per_step / seconds / num_devices / 1e12
-                record = {
-                    "loss": loss, "grad_norm": float(metrics["grad_norm"]),
-                    "learning_rate": float(self.schedule(state.step - 1)),
-                    "step_seconds": seconds, "tokens_per_second": tokens_per_step / seconds,
-                    "model_tflops_per_device": tflops,
-                    "mfu": tflops * 1e12 / peak if peak else None,
-                    "peak_device_bytes": report.device_peak_bytes(),
-                    "host_bytes": report.host_resident_bytes(),
-                    "valid_targets": valid,
-                }
-                history.append(record)
-                if state.step % config.train.log_every == 0 or state.step == self.total_steps:
-                    writer.write(state.step, record)
-                bar.update(state.step, self.total_steps,
-                           f"loss {loss:.4f}  {record['tokens_per_second']:,.0f} tok/s")
-                every = config.train.checkpoint_every
-                if every and (state.step % every == 0 or state.step == self.total_steps):
-                    state = self.flush(state)  # a checkpoint holds every update applied
+                    state, metrics = self.step(state, batch)
+                    loss = float(metrics["loss"])  # waits for the step
+                    seconds = time.perf_counter() - started
+                    tflops = (self.flops_per_token * tokens_per_step / seconds / num_devices
+                              / 1e12)
+                    record = {
+                        "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+                        "learning_rate": float(self.schedule(state.step - 1)),
+                        "step_seconds": seconds, "tokens_per_second": tokens_per_step / seconds,
+                        "model_tflops_per_device": tflops,
+                        "mfu": tflops * 1e12 / peak if peak else None,
+                        "peak_device_bytes": report.device_peak_bytes(),
+                        "host_bytes": report.host_resident_bytes(),
+                        "valid_targets": valid,
+                    }
+                    history.append(record)
+                    if state.step % config.train.log_every == 0 or state.step == last_step:
+                        writer.write(state.step, record)
+                    bar.update(state.step, self.total_steps,
+                               f"loss {loss:.4f}  {record['tokens_per_second']:,.0f} tok/s")
+                    every = config.train.checkpoint_every
+                    if config.train.checkpoints and every and state.step % every == 0:
+                        state = self.flush(state)  # a checkpoint holds every update applied
+                        checkpoints.save(state, self.batches, self.optimizer)
+                        saved_step = state.step
+                # The end, a stop_after, or a signal: the last step saved too.
+                state = self.flush(state)
+                if config.train.checkpoints and state.step != saved_step:
                     checkpoints.save(state, self.batches, self.optimizer)
-            state = self.flush(state)
+                    saved_step = state.step
         finally:
-            checkpoints.close()
+            checkpoints.close()  # waits for the writes in flight
             writer.close()
             bar.close()
         self.final_state = state
-        summary = self.summary(history, state)
+        summary = self.summary([*earlier, *history], state)
+        summary["resumed_from"] = resumed_from
         if jax.process_index() == 0:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        if stop.signum is not None:
+            raise interrupts.Interrupted(stop.signum, state.step, self.total_steps, saved_step,
+                                         checkpoint_dir)
         bar.write(format_summary(summary))
         return summary
+
+    def _finished_already(self, saved_step: int) -> dict:
+        """A resumed run whose checkpoint is at its last step: said, nothing touched; its
+        summary.json (None where it has none)."""
+        if jax.process_index() == 0:
+            print(f"peakflat train {self.config.name}: the run in {self.run_dir} is at step "
+                  f"{saved_step} of {self.total_steps} already: nothing to do, nothing changed",
+                  file=sys.stderr, flush=True)
+        path = self.run_dir / "summary.json"
+        return json.loads(path.read_text()) if path.exists() else None
 
     def banner(self, state: TrainState) -> str:
         from peakflat_jax.model.size import parameter_counts
@@ -556,10 +608,12 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def train(config: Config, *, resume: bool = False, run_dir: str | None = None,
-          progress: bool | None = None) -> dict:
-    """Runs ``config`` and returns the summary (also written to run_dir/summary.json)."""
+def train(config: Config, *, resume: bool = False, overwrite: bool = False,
+          run_dir: str | None = None, progress: bool | None = None) -> dict:
+    """Runs ``config`` and returns the summary (also written to run_dir/summary.json);
+    ``Trainer.run`` says what ``resume`` and ``overwrite`` do, and what a signal does."""
     if os.environ.get("PEAKFLAT_DEBUG_NANS"):
         jax.config.update("jax_debug_nans", True)
-    return Trainer(config, run_dir=run_dir).run(resume=resume, progress=progress)
+    return Trainer(config, run_dir=run_dir).run(resume=resume, overwrite=overwrite,
+                                                progress=progress)
 

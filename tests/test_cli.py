@@ -1,0 +1,213 @@
+"""The ``peakflat`` command: bad input is one line naming what is wrong and exit status 2, before
+anything compiles; overrides and flags come in any order; ``peakflat plan CONFIG`` plans for the
+device the config names, on any machine; a run directory holds one run. (Interrupts and resumes,
+which compile a trainer, are in test_train.py.)"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from peakflat_jax import cli
+from peakflat_jax.train import interrupts
+from peakflat_jax.train import run_dir as run_dirs
+from tests.test_train import SMALL
+
+GIB = 2**30
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    status = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def assert_one_line_naming(status: int, err: str, *names: str) -> None:
+    assert status == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    for name in names:
+        assert name in err, err
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input.
+
+
+@pytest.mark.parametrize("argv, key", [
+    (["model.hiden=3"], "model.hiden"),                            # unknown key
+    (["data.seq_len=abc"], "data.seq_len"),                        # wrong type
+    (["optimizer.learning_rate=-0.1"], "optimizer.learning_rate"),  # negative learning rate
+    (["data.corpus_path=/no/such/corpus.txt"], "data.corpus_path"),  # missing file
+    (["model.num_heads=6"], "model.num_heads"),                    # not a multiple of 4 kv heads
+    (["model.num_heads=4", "model.num_kv_heads=2", "mesh.data=1", "mesh.seq=8"],
+     "model.num_heads"),                                           # heads do not split over seq
+    (["mesh.data=3"], "mesh.data"),                                # 8 devices
+    (["--no-progress", "train.steps=-1"], "train.steps"),          # an override after a flag
+    (["--bogus"], "--bogus"),
+    (["--no-progress", "steps"], "steps"),
+    (["--resume", "--overwrite"], "--overwrite"),
+], ids=lambda value: value if isinstance(value, str) else None)
+def test_bad_train_input_is_one_line_and_status_2(capsys, tmp_path, argv, key):
+    status, _, err = run_main(capsys, "train", "tiny", *SMALL, *argv, "--run-dir",
+                              str(tmp_path / "run"))
+    assert_one_line_naming(status, err, key)
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_config_file_is_one_line(capsys):
+    status, _, err = run_main(capsys, "train", "no-such-config")
+    assert_one_line_naming(status, err, "no-such-config", "tiny")
+
+
+@pytest.mark.parametrize("argv, key", [
+    (["plan", "tiny", "--devices", "abc"], "--devices"),
+    (["plan", "tiny", "--devices", "0"], "--devices"),
+    (["plan", "tiny", "--json", "model.hiden=1"], "model.hiden"),
+    (["plan", "tiny", "--json", "extra"], "extra"),
+    (["plan", "tiny", "--device-memory", "-1"], "--device-memory"),
+    (["plan", "tiny", "device.count=0"], "device.count"),
+    (["xcheck", "export", "unused", "--dtype", "float16"], "--dtype"),
+    (["xcheck", "export", "unused", "--seed", "1", "model.hiden=3"], "model.hiden"),
+    (["xcheck", "run", "--seed", "x"], "--seed"),
+    (["bench", "no_such_operator"], "no_such_operator"),
+    (["bench", "sco", "--preset", "nope"], "--preset"),
+    (["bench", "sco", "--trace-steps", "0"], "--trace-steps"),
+    (["bench", "offload_adamw", "--trace-steps", "2"], "--trace-steps"),
+    (["bench", "sco", "--repeats", "0"], "--repeats"),
+    (["bench", "sco", "--only", "no case has this"], "--only"),
+    (["bench", "sco", "a.b=1"], "a.b=1"),
+    ([], "command"),
+], ids=lambda value: value if isinstance(value, str) else None)
+def test_bad_arguments_of_every_command_are_one_line_and_status_2(capsys, argv, key):
+    status, _, err = run_main(capsys, *argv)
+    assert_one_line_naming(status, err, key)
+
+
+def test_a_config_too_large_for_the_cpu_is_refused_before_compiling(capsys, tmp_path):
+    """A million-token context on 8 CPU devices: the planner holds each device to its share of
+    the host (before, XLA:CPU's compiler died of SIGFPE on the T x T attention scores)."""
+    status, _, err = run_main(capsys, "train", "tiny", "data.seq_len=1048576", "--no-progress",
+                              "--run-dir", str(tmp_path / "run"))
+    first = err.splitlines()[0]
+    assert status == 2 and "does not fit" in first and "attention" in first, err
+    assert "data.seq_len" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Overrides and flags in any order.
+
+
+@pytest.mark.parametrize("argv, overrides", [
+    (["train", "tiny", "a.b=1", "--no-progress", "c.d=2", "--run-dir", "x", "e.f=3"],
+     ["a.b=1", "c.d=2", "e.f=3"]),
+    # scripts/demo.sh: `peakflat train tiny --run-dir "${PEAKFLAT_OUT:-runs/tiny}" "$@"`
+    (["train", "tiny", "--run-dir", "runs/tiny", "train.steps=10"], ["train.steps=10"]),
+    (["plan", "tiny", "--json", "operators.token_budget=8", "--auto"],
+     ["operators.token_budget=8"]),
+    (["xcheck", "export", "out", "--seed", "3", "data.seq_len=64"], ["data.seq_len=64"]),
+    (["xcheck", "run", "--dtype", "bfloat16", "data.seq_len=64"], ["data.seq_len=64"]),
+])
+def test_overrides_may_follow_flags(argv, overrides):
+    args = cli.parse_arguments(cli.make_parser(), argv)
+    assert args.overrides == overrides
+
+
+def test_an_override_after_a_flag_reaches_the_config(capsys):
+    status, _, err = run_main(capsys, "plan", "tiny", "--json", "model.hiden=1")
+    assert_one_line_naming(status, err, "model.hiden")
+
+
+def test_the_resume_command_is_the_command_with_resume_and_without_overwrite():
+    argv = ["train", "tiny", "--overwrite", "train.steps=3", "--run-dir", "runs/a b"]
+    assert cli.resume_command(argv) == ("peakflat train tiny train.steps=3 --run-dir 'runs/a b' "
+                                        "--resume")
+
+
+# ----------------------------------------------------------------------------------------------
+# peakflat plan: the config's device, the flags over it.
+
+
+def test_plan_tiny_plans_its_8_cpu_devices_without_flags(capsys):
+    status, out, err = run_main(capsys, "plan", "tiny")
+    assert status == 0, err
+    assert out.splitlines()[0].startswith("peakflat plan tiny: 8 cpu devices"), out
+    assert "fits" in out
+
+
+def test_plan_of_a_gpu_preset_needs_no_gpu(capsys):
+    status, out, err = run_main(capsys, "plan", "h200-1", "--json")
+    plan = json.loads(out)
+    assert status == 0 and plan["feasible"], err
+    assert (plan["platform"], plan["devices"]) == ("gpu", 1)
+    assert (plan["device_bytes"], plan["host_memory_bytes"]) == (139 * GIB, 128 * GIB)
+    assert run_main(capsys, "plan", "h200-1", "--auto")[0] == 0
+
+
+def test_flags_and_overrides_override_the_config_device(capsys):
+    status, out, err = run_main(capsys, "plan", "h200-1", "mesh.seq=-1", "--devices", "2",
+                                "--device-memory", "80", "--host-memory", "64", "--json")
+    plan = json.loads(out)
+    assert status == 0, err
+    assert (plan["devices"], plan["device_bytes"], plan["host_memory_bytes"]) == (
+        2, 80 * GIB, 64 * GIB)
+    status, out, err = run_main(capsys, "plan", "h200-1", "device.memory_gib=100", "--platform",
+                                "cpu", "--json")
+    plan = json.loads(out)
+    assert (plan["platform"], plan["device_bytes"]) == ("cpu", 100 * GIB), err
+
+
+# ----------------------------------------------------------------------------------------------
+# Run directories (refused before compiling; the runs themselves are in test_train.py).
+
+
+def train_into(capsys, run_dir, *flags):
+    return run_main(capsys, "train", "tiny", *SMALL, "--no-progress", "--run-dir", str(run_dir),
+                    *flags)
+
+
+def test_a_fresh_run_into_a_run_directory_that_holds_a_run_is_refused(capsys, tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    status, _, err = train_into(capsys, tmp_path)
+    assert_one_line_naming(status, err, str(tmp_path), "--resume", "--overwrite")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_resume_without_a_checkpoint_is_refused(capsys, tmp_path):
+    for run_dir in (tmp_path / "absent", tmp_path):
+        (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+        status, _, err = train_into(capsys, run_dir, "--resume")
+        assert_one_line_naming(status, err, "--resume", str(run_dir), "no complete checkpoint")
+    assert not (tmp_path / "absent").exists()
+
+
+def test_overwrite_clears_only_a_run_directory(capsys, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine\n")
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    status, _, err = train_into(capsys, tmp_path, "--overwrite")
+    assert_one_line_naming(status, err, "--overwrite", "notes.txt")
+    assert (tmp_path / "notes.txt").exists() and (tmp_path / "metrics.jsonl").exists()
+    (tmp_path / "notes.txt").unlink()
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    run_dirs.check_run_dir(tmp_path, resume=False, overwrite=True, saved_step=None)
+    run_dirs.clear_run_dir(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Signals.
+
+
+def test_stop_requests_note_signals_and_restore_the_handlers():
+    before = {s: signal.getsignal(s) for s in interrupts.SIGNALS}
+    with interrupts.StopRequests() as stop:
+        assert not stop.requested()
+        signal.raise_signal(signal.SIGTERM)  # noted, not acted on
+        assert stop.requested() and stop.signum == signal.SIGTERM
+    assert {s: signal.getsignal(s) for s in interrupts.SIGNALS} == before
+    stopped = interrupts.Interrupted(signal.SIGINT, 5, 12, 5, "runs/x/checkpoints")
+    assert stopped.exit_status == 130
+    assert str(stopped) == ("SIGINT: stopped after step 5 of 12; the checkpoint of step 5 is in "
+                            "runs/x/checkpoints")
