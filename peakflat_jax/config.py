@@ -176,10 +176,12 @@ class OperatorsConfig:
     """True: OffloadStreamAdamW (fp32 state in host memory, streamed in buckets); False:
     optax.adamw with its state on the device, sharded like the params."""
     optimizer_overlap: bool = True
-    """With the offloaded optimizer: apply each step's update inside the next step's program,
-    layer by layer just before each layer's forward, so that its host traffic runs under the
-    forward (the same numbers as updating after the backward). False: the optimizer's own
-    program after the gradients."""
+    """With the offloaded optimizer: apply each step's update inside the next step's program
+    (the same numbers as updating after the backward). With ``layer_loop: unrolled`` each MoE
+    layer's update runs just before its forward, so that the later layers' host traffic runs
+    under it; with ``scan`` the stacked MoE weights wait for all their updates, and only the
+    other weights' traffic can run under the layers. False: the optimizer's own program after
+    the gradients."""
     attention: Literal["auto", "cudnn", "xla"] = "auto"
     """Attention kernel: cuDNN flash attention on GPU, XLA elsewhere (``auto``)."""
     layer_loop: Literal["scan", "unrolled"] = "scan"

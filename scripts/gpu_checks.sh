@@ -8,6 +8,9 @@
 #   bash scripts/gpu_checks.sh h200-train [STEPS]  # nvidia-h200: `peakflat train h200-1` (issue 14),
 #                                              #   then its step with the optimizer overlapped,
 #                                              #   after the backward and removed (issue 20)
+#   bash scripts/gpu_checks.sh h200-compile    # nvidia-h200: h200-1's compile cold, from the
+#                                              #   cache, with another step count; 8 and 32
+#                                              #   layers compiled alone; SCO scanned and unrolled
 #   bash scripts/gpu_checks.sh h200-sco        # nvidia-h200: SCO, half and all boundaries offloaded
 #   bash scripts/gpu_checks.sh h200-sco-plan   # nvidia-h200: XLA's buffer plan of SCO's step
 #                                              #   (compile only: what the temporaries hold)
@@ -64,6 +67,26 @@ case "${1:-}" in
     cp /tmp/h200-1/metrics.jsonl "$out/h200-1-metrics.jsonl"
     timeout 250 python3 -m peakflat_jax.cli bench train_step --preset gpu \
       --only '"config": "h200-1", "overrides": [],' --out-dir "$out" ;;
+  h200-compile)
+    # Issue 24: a cold compile, a second process from the persistent cache, a third with
+    # another step count (no recompile), compile at 8 and 32 layers, SCO's scanned overlap.
+    export PEAKFLAT_JAX_CACHE=/tmp/peakflat-cache
+    for run in cold warm steps; do
+      steps=6; [ "$run" = steps ] && steps=9
+      start=$(date +%s.%N)
+      timeout 420 python3 -m peakflat_jax.cli train h200-1 "train.steps=$steps" \
+        train.checkpoints=false --no-progress --run-dir "/tmp/h200-1-$run" --overwrite \
+        | while IFS= read -r line; do
+            echo "$(awk -v s="$start" -v t="$(date +%s.%N)" 'BEGIN{printf "%7.1f", t-s}') $line"
+          done
+      cp "/tmp/h200-1-$run/summary.json" "$out/h200-1-$run-summary.json"
+    done
+    unset PEAKFLAT_JAX_CACHE
+    for layers in 8 32; do
+      timeout 300 python3 scripts/bench_compile.py h200-1 "model.num_layers=$layers" \
+        --out-dir "$out"
+    done
+    timeout 480 python3 -m peakflat_jax.cli bench sco --preset gpu --out-dir "$out" ;;
   h200-sco)
     # The scan as the same-run baseline, then half and all boundaries offloaded (~2 min a case).
     timeout 560 python3 scripts/bench_sco.py --preset gpu --repeats 2 --only '"offload": 24' \

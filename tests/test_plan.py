@@ -199,9 +199,13 @@ def compiled_step(config, tmp_path):
 
     trainer = Trainer(config, run_dir=str(tmp_path))
     state = trainer.initial_state()
-    trainer.compile(state, trainer.global_batch(next(trainer.batches)))
-    programs = {"gradient": compiled_memory(getattr(trainer, "_gradient_step", None)
-                                            or trainer._train_step)}
+    batch = trainer.global_batch(next(trainer.batches))
+    trainer.compile(state, batch)
+    # Overlapped, the trainer runs no gradient program of its own; the plan's "gradient" is the
+    # same program's terms without the update's, held here to the program that computes them.
+    programs = {"gradient": compiled_memory(trainer.gradient_program(state, batch)
+                                            if trainer.offloaded_optimizer
+                                            else trainer._train_step)}
     if getattr(trainer, "_overlapped_step", None) is not None:
         programs["overlapped"] = compiled_memory(trainer._overlapped_step)
     if trainer.offloaded_optimizer:

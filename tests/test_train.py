@@ -306,11 +306,13 @@ def test_overlapped_optimizer_changes_no_bit(tmp_path):
                         plain.final_state.opt_state)),
         jax.device_get((resumed.final_state.params, resumed.final_state.extras,
                         resumed.final_state.opt_state)))
-    # XLA's plan of the overlapped step against the gradient program's: what it adds is the
-    # optimizer's staging (slots x bucket x 16 bytes) and the new weights and gradients of the
-    # MoE layers, made per layer and then stacked.
+    # XLA's plan of the overlapped step against the plain path's gradient program: what it adds
+    # is the optimizer's staging (slots x bucket x 16 bytes) and the MoE layers' new weights,
+    # made per layer and then stacked for the scanned stack. (The overlapped run compiles no
+    # gradient program of its own: its first step is the same program with nothing to update.)
     from peakflat_jax.optim.offload_adamw import offload_stream_adamw_memory_terms
-    grads_plan = memory.compiled_memory(resumed._gradient_step)
+    assert not hasattr(resumed, "_gradient_step")
+    grads_plan = memory.compiled_memory(plain._gradient_step)
     overlap_plan = memory.compiled_memory(resumed._overlapped_step)
     params = resumed.final_state.params
     moe_bytes = sum(leaf.addressable_shards[0].data.nbytes

@@ -3,8 +3,8 @@ top-k router and the MoE FFN.
 
 Every layer computes on global arrays of a jitted program: activations [B, T, H] split over the
 mesh's (data, seq) axes, dense weights stored sharded over every device (FSDP) and gathered to
-a full copy where a layer uses them (``gathered``: one layer's weights at a time, since the
-layer stack is unrolled behind SCO's barriers). The heavy parts call the library's global-array
+a full copy where a layer uses them (``gathered``: one layer's weights at a time, since SCO
+runs the layers one after another). The heavy parts call the library's global-array
 operators: ``ulysses_attention`` and ``pipelined_moe_global`` (standard EP and LLEP are the same
 operator in one chunk). Why the gather is explicit: with the weights constrained to be
 replicated at their use, GSPMD all-gathers the weights (small) instead of the activations

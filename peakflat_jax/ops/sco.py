@@ -30,11 +30,18 @@ offloaded, no cotangent. Derive float tables (RoPE sin/cos) from such a leaf ins
 ``layer_fn``. A stacked param broadcast over L works too, but the barrier that slices each
 layer's parameters materializes all L copies.
 
-Why the code is shaped so: XLA overlaps host copies in straight-line code but not across
-while-loop iterations (JAX-NOTES.md), so the layers are unrolled in Python and the transfers
-are placed explicitly, in forward and in backward. XLA's scheduler is otherwise free, and
-optimization barriers keep it from undoing the bound (each was missing once, and an H200 showed
-what XLA did without it):
+Two loops ("Why the code is shaped so"). The scanned loop (``loop="scan"``, the default) runs
+each run of consecutive layers that share an offload choice through one ``lax.scan``: the
+forward loop's body computes layer l and copies its input to host memory (the loop's output is
+a host buffer written in place); the backward loop walks the run in reverse, and its body
+recomputes and differentiates layer l from the boundary restored by the previous iteration
+while it brings boundary l - 1 back (the carry holds the one arriving), writing layer l's
+parameter gradients in place into the stacked result. A program then holds one layer's code
+per run, whatever the depth: compile time and the count of kernel call sites do not grow with
+L. The unrolled loop (``loop="unrolled"``) traces every layer in Python and places the
+transfers explicitly in straight-line code, where XLA overlaps host copies without help; its
+optimization barriers keep XLA's scheduler from undoing the bound (each was missing once, and
+an H200 showed what XLA did without it):
 
 - forward: boundary l's device-to-host copy is tied to layer l's output, so it runs while
   layer l computes and is done before layer l + 1 starts. Untied, XLA sank every copy into the
@@ -47,6 +54,11 @@ what XLA did without it):
 - each layer slices its parameters behind its input, and backward writes each layer's
   parameter gradients in place into the stacked result. Without these two, XLA held all L
   layers' parameter copies and offloading more boundaries stopped lowering the peak.
+
+A loop's iterations run one after another, which gives the scanned loop the same order without
+barriers (and XLA:GPU's host offloading failed to compile a barrier between a host copy and a
+loop's write of it). The unrolled loop stays for comparison and for ``PerLayer`` parameters that
+must reach each layer separately; docs/sco.md holds what each measured.
 
 On CPU the memory kinds lower to nothing, so tests check values, the placement of transfers,
 the barriers' ties in the jaxpr, and XLA's plan against ``sco_memory_terms``.
@@ -146,8 +158,8 @@ class PerLayer:
     With stacked parameters every layer's slice comes from one array, which exists only once
     all layers' parameters do. A program that computes each layer's parameters itself (the
     trainer updating them from host-resident optimizer state inside the step) passes them
-    per layer, so that layer l waits for its own parameters only. The cotangent is a PerLayer
-    too."""
+    per layer, so that under the unrolled loop layer l waits for its own parameters only (the
+    scanned loop stacks them first). The cotangent is a PerLayer too."""
 
     layers: tuple
 

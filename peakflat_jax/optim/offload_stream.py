@@ -297,11 +297,14 @@ class OffloadStream:
         """The step lowered for these arguments (``.compile()`` for XLA's memory plan and HLO)."""
         return self._jitted_step(state.layout).lower(self._grad_leaves(grads, state), state)
 
-    def step_scalars(self, grads, state: OffloadStreamState) -> StepScalars:
+    def step_scalars(self, grads, state: OffloadStreamState, apply=None) -> StepScalars:
         """What every group's update shares: the global gradient norm (with clipping) and the
-        transformation's shared state before the step. Traceable (inside the trainer's jit)."""
+        transformation's shared state before the step. Traceable (inside the trainer's jit).
+        ``apply``: None, or a traced bool; where it is False the groups' updates and
+        ``new_state`` leave the state and the working params exactly as they were (one
+        program that updates then serves a step with nothing to update)."""
         self._checked_layout(state)
-        return StepScalars(state.shared, self._global_norm(jax.tree.leaves(grads)))
+        return StepScalars(state.shared, self._global_norm(jax.tree.leaves(grads)), apply)
 
     def update_group(self, grads, group_state: GroupState, scalars: StepScalars,
                      slot_chain: list | None = None):
@@ -334,9 +337,13 @@ class OffloadStream:
         if [g.index for g in groups] != list(range(len(layout.groups))):
             raise ValueError(f"groups: expected the new GroupState of each of the "
                              f"{len(layout.groups)} groups, in order")
+        shared = self._next_shared(scalars.shared)
+        if scalars.apply is not None:
+            shared = tuple(jnp.where(scalars.apply, new, old)
+                           for new, old in zip(shared, scalars.shared))
         return OffloadStreamState(tuple(m for g in groups for m in g.master),
                                   tuple(s for g in groups for s in g.streamed),
-                                  self._next_shared(scalars.shared), layout=layout)
+                                  shared, layout=layout)
 
     def _step(self, grad_leaves, state: OffloadStreamState):
         layout = state.layout
@@ -356,17 +363,26 @@ class OffloadStream:
         group: Group = layout.groups[group_state.index]
         placement, flat, replicated = layout.placement, layout.placement.flat_spec, P()
         num_streamed = len(layout.state_split.per_param_dtypes)
-        norm = scalars.grad_norm
+        norm, apply = scalars.grad_norm, scalars.apply
+        # The step's scalars that the buckets read, replicated: the norm and the apply flag.
+        extras = tuple(x for x in (norm, apply) if x is not None)
 
-        def update_bucket(b, local_grads, master, streamed, shared, norm=None):
+        def update_bucket(b, local_grads, master, streamed, shared, *extras):
+            extras = list(extras)
+            norm = extras.pop(0) if scalars.grad_norm is not None else None
+            apply = extras.pop(0) if scalars.apply is not None else None
             grad = group.gather(local_grads, b)
             if norm is not None:  # optax.clip_by_global_norm, given the global norm
                 grad = jnp.where(norm < self.max_grad_norm, grad,
                                  (grad / norm.astype(grad.dtype)) * self.max_grad_norm)
             updates, state = self.transformation.update(
                 grad, layout.state_split.join(streamed, shared), master)
-            master = optax.apply_updates(master, updates)
-            return master, self._split(state)[0], group.pieces(master, b)
+            new_master, new_streamed = optax.apply_updates(master, updates), self._split(state)[0]
+            if apply is not None:  # nothing to update: the bucket as it came
+                new_master = jnp.where(apply, new_master, master)
+                new_streamed = tuple(jnp.where(apply, new, old)
+                                     for new, old in zip(new_streamed, streamed))
+            return new_master, new_streamed, group.pieces(new_master, b)
 
         chain, pieces_per_bucket, masters, streamed_per_bucket = list(chain), [], [], []
         for b in range(len(group.bucket_sizes)):
@@ -377,11 +393,10 @@ class OffloadStream:
             local = placement.local(
                 functools.partial(update_bucket, b),
                 in_specs=(list(group.specs), flat, (flat,) * num_streamed,
-                          (replicated,) * len(scalars.shared))
-                + (() if norm is None else (replicated,)),
+                          (replicated,) * len(scalars.shared)) + (replicated,) * len(extras),
                 out_specs=(flat, (flat,) * num_streamed, (flat,) * len(group.buckets[b])))
             master, streamed, pieces = local(list(grad_leaves), master, streamed, scalars.shared,
-                                             *(() if norm is None else (norm,)))
+                                             *extras)
             written = jax.device_put((master, streamed), jax.memory.Space.Host)
             chain.append((written, pieces))
             masters.append(written[0])
@@ -511,6 +526,8 @@ class StepScalars:
     """The transformation's shared state before the step."""
     grad_norm: jax.Array | None
     """The global gradient norm (None without clipping)."""
+    apply: jax.Array | None = None
+    """None, or a traced bool: False leaves the state and the weights as they were."""
 
 
 def _state_shardings(layout: Layout) -> OffloadStreamState:

@@ -192,26 +192,21 @@ class Trainer:
         and the step count too) is reused: a resumed run, a test, a benchmark's modes."""
         kept = jax.tree.map(lambda a: a.sharding, (state.params, state.extras))
         params_shardings, extras_shardings = kept  # gradients are placed as the params
+        if self.overlap:
+            # One program for every step, the first included (its pending update is one that
+            # changes nothing): the whole model is compiled once. The params are read for their
+            # shapes only: kept in the signature, so that they are donated.
+            self._overlapped_step = self._compiled(
+                "overlapped_step", lambda: jax.jit(
+                    self._overlapped, donate_argnums=(0, 1, 2, 3), keep_unused=True,
+                    out_shardings=(*kept, self.optimizer.state_shardings(state.opt_state),
+                                   params_shardings, None)).lower(
+                    state.params, state.extras, state.opt_state, state.params, batch,
+                    self._replicated(True)).compile(),
+                "the overlapped step")
+            return
         if self.offloaded_optimizer:
-            def gradient_step(params, extras, batch):
-                loss, counts, grads, grad_norm, extras = self._gradients(params, extras, batch)
-                return dict(loss=loss, grad_norm=grad_norm, counts=counts), grads, extras
-
-            self._gradient_step = self._compiled(
-                "gradient_step", lambda: jax.jit(
-                    gradient_step, donate_argnums=(1,),
-                    out_shardings=(None, params_shardings, extras_shardings)).lower(
-                    state.params, state.extras, batch).compile(),
-                "the loss and gradient program")
-            if self.overlap:
-                self._overlapped_step = self._compiled(
-                    "overlapped_step", lambda: jax.jit(
-                        self._overlapped, donate_argnums=(0, 1, 2, 3),
-                        out_shardings=(*kept, self.optimizer.state_shardings(state.opt_state),
-                                       params_shardings, None)).lower(
-                        state.params, state.extras, state.opt_state, state.params,
-                        batch).compile(),
-                    "the overlapped step")
+            self._gradient_step = self.gradient_program(state, batch)
             return
 
         def train_step(params, extras, opt_state, batch):
@@ -228,6 +223,24 @@ class Trainer:
                 out_shardings=(*kept, opt_shardings, None)).lower(
                 state.params, state.extras, state.opt_state, batch).compile(),
             "the train step")
+
+    def gradient_program(self, state: TrainState, batch):
+        """The compiled loss and gradient program, ``(params, extras, batch) -> (metrics,
+        grads, extras)``: the step of the offloaded optimizer without overlap (the optimizer's
+        own program follows it), and for tests and benchmarks in any mode."""
+        params_shardings, extras_shardings = jax.tree.map(lambda a: a.sharding,
+                                                          (state.params, state.extras))
+
+        def gradient_step(params, extras, batch):
+            loss, counts, grads, grad_norm, extras = self._gradients(params, extras, batch)
+            return dict(loss=loss, grad_norm=grad_norm, counts=counts), grads, extras
+
+        return self._compiled(
+            "gradient_step", lambda: jax.jit(
+                gradient_step, donate_argnums=(1,),
+                out_shardings=(None, params_shardings, extras_shardings)).lower(
+                state.params, state.extras, batch).compile(),
+            "the loss and gradient program")
 
     def _program_key(self, program: str) -> tuple:
         """What a compiled program depends on: the config without the loop's bookkeeping and
@@ -280,12 +293,13 @@ class Trainer:
         state = dataclasses.replace(state, opt_state=self._hyperparams(state.opt_state,
                                                                        updates_done))
         if self.overlap:
-            if state.pending is None:
-                metrics, grads, extras = self._gradient_step(state.params, state.extras, batch)
-                params, opt_state = state.params, state.opt_state
-            else:
-                params, extras, opt_state, grads, metrics = self._overlapped_step(
-                    state.params, state.extras, state.opt_state, state.pending, batch)
+            # Nothing pending (a run's first step, or the first after a checkpoint): the same
+            # program with zero gradients and its update switched off, bit for bit a no-op.
+            first = state.pending is None
+            pending = self._zero_gradients(state.params) if first else state.pending
+            params, extras, opt_state, grads, metrics = self._overlapped_step(
+                state.params, state.extras, state.opt_state, pending, batch,
+                self._replicated(not first))
             return TrainState(params, extras, opt_state, state.step + 1, grads), metrics
         if self.offloaded_optimizer:
             metrics, grads, extras = self._gradient_step(state.params, state.extras, batch)
@@ -305,21 +319,37 @@ class Trainer:
         params, opt_state = self.optimizer.step(state.pending, opt_state)
         return dataclasses.replace(state, params=params, opt_state=opt_state, pending=None)
 
+    def _replicated(self, flag: bool) -> jax.Array:
+        """A bool on every device of the mesh (the same on every process)."""
+        return jax.device_put(np.bool_(flag), NamedSharding(self.mesh, P()))
+
+    def _zero_gradients(self, params):
+        """Zeros placed like ``params``: the gradients of an update that changes nothing."""
+        if not hasattr(self, "_zeros_like_params"):
+            shardings = jax.tree.map(lambda a: a.sharding, params)
+            self._zeros_like_params = jax.jit(
+                lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=shardings)
+        return self._zeros_like_params(params)
+
     def _hyperparams(self, opt_state, updates_done: int):
         """``opt_state`` set for the update that follows ``updates_done`` updates."""
         return with_hyperparams(opt_state, hyperparams_at(self.config.optimizer, self.schedule,
                                                           updates_done))
 
-    def _overlapped(self, params, extras, opt_state, pending, batch):
+    def _overlapped(self, params, extras, opt_state, pending, batch, apply):
         """The update of the previous step's gradients ``pending`` and this step's loss and
         gradients, in one program: each layer group's buckets are streamed in, updated and
-        written back in layer order (the slot chain running across groups), and the MoE layers
-        reach the model per layer (``PerLayer``), so layer l's forward waits for layer l's
-        update only and the later layers' host traffic runs under it. The same arithmetic as
-        the optimizer's own step, then the gradient program."""
+        written back in layer order (the slot chain running across groups). The same arithmetic
+        as the optimizer's own step, then the gradient program; where ``apply`` is False the
+        update leaves everything as it was (a step with nothing pending).
+
+        With the scanned layer stack the MoE layers' new weights are stacked for it (they wait
+        for all their groups); with the unrolled one they reach the model per layer
+        (``PerLayer``), so that layer l's forward waits for layer l's update only and the later
+        layers' host traffic runs under it."""
         opt = self.optimizer
         layout = opt_state.layout
-        scalars = opt.step_scalars(pending, opt_state)
+        scalars = opt.step_scalars(pending, opt_state, apply)
         leaves, treedef = jax.tree.flatten(params)
         moe = moe_leaf_indices(params)
         new_leaves = list(leaves)
@@ -337,6 +367,15 @@ class Trainer:
                 else:
                     layer_leaves[group.layer][i] = leaf
         opt_state = opt.new_state(opt_state, groups, scalars)
+        if self.config.operators.layer_loop == "scan":
+            for i in moe:
+                new_leaves[i] = jnp.stack([layer[i] for layer in layer_leaves])
+            new_params = jax.tree.unflatten(treedef, new_leaves)
+            (value, counts), grads = jax.value_and_grad(self._loss, has_aux=True)(
+                new_params, extras, batch)
+            metrics = dict(loss=value, grad_norm=optax_global_norm(grads), counts=counts)
+            return (new_params, self._balanced_extras(extras, counts), opt_state, grads,
+                    metrics)
         moe_def = jax.tree.structure(params["moe_layers"])
         per_layer = [jax.tree.unflatten(moe_def, [layer[i] for i in moe]) for layer in
                      layer_leaves]
