@@ -119,6 +119,12 @@ class DataConfig:
     corpus_path: str | None = None
     """A UTF-8 text file whose documents are separated by blank lines; None: the public-domain
     corpus shipped in ``peakflat_jax/train/corpus/``."""
+    document_blank_lines: int = 1
+    """The document level: a run of at least this many blank lines ends a document (blank
+    lines within a document stay in its text). The shipped corpus separates chapters by one
+    and books by two: 1 gives a chapter a document, 2 a book a document, which long-context
+    runs want, so that a sequence attends over one long text rather than many short ones
+    (attention stays within a document)."""
     seq_len: int = 256
     """Context length T of every sequence."""
     batch_size: int = 8
@@ -384,6 +390,7 @@ def check_config(config: Config) -> Config:
                 ("model.expert_ffn", m.expert_ffn), ("model.dense_ffn", m.dense_ffn),
                 ("data.seq_len", d.seq_len), ("data.batch_size", d.batch_size),
                 ("data.max_segments", d.max_segments),
+                ("data.document_blank_lines", d.document_blank_lines),
                 ("operators.max_chunks", o.max_chunks), ("optimizer.bucket_params",
                                                          opt.bucket_params),
                 ("optimizer.slots", opt.slots), ("train.steps", t.steps),
