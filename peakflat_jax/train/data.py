@@ -72,6 +72,7 @@ line that a test can state.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import pathlib
@@ -83,6 +84,7 @@ import grain
 import numpy as np
 
 from peakflat_jax.config import ConfigError, DataConfig
+from peakflat_jax.model.size import causal_pairs
 
 BOS = 256
 """Opens every document."""
@@ -94,6 +96,9 @@ BYTE_VOCAB_SIZE = 260
 """256 bytes, BOS, EOS, PAD and one reserved id."""
 IGNORE = -100
 """A target that the loss skips."""
+
+PAIRS_SAMPLE_TOKENS = 1 << 19
+"""The most tokens ``causal_pairs_per_sequence`` packs (beyond its first sequence)."""
 
 DEFAULT_CORPUS = pathlib.Path(__file__).resolve().parent / "corpus" / "kjv_genesis_exodus.txt"
 """The corpus used when ``data.corpus_path`` is None."""
@@ -178,6 +183,24 @@ def read_documents(corpus_path: str | None, blank_lines: int = 1) -> list[bytes]
     if not documents:
         raise ConfigError(f"data.corpus_path: {str(path)!r} holds no text")
     return documents
+
+
+@functools.lru_cache(maxsize=64)
+def causal_pairs_per_sequence(data: DataConfig, seq_len: int | None = None) -> float:
+    """The causal query-key pairs within documents (``model.size.causal_pairs``) of one
+    sequence of this config's data at ``seq_len`` (default ``data.seq_len``), on average: T (T +
+    1) / 2 for synthetic data (one document a sequence, exact); for a corpus, the mean over the
+    first sequences that the pipeline packs at that length, as many as an epoch's tokens fill
+    (at least one, at most ``PAIRS_SAMPLE_TOKENS`` tokens beyond it). What the planner's step
+    estimate counts, by the trainer's convention."""
+    t = data.seq_len if seq_len is None else seq_len
+    if data.source == "synthetic":
+        return t * (t + 1) / 2
+    sample = dataclasses.replace(data, seq_len=t, batch_size=1)
+    epoch = describe(sample)["tokens"]
+    count = max(1, -(-min(epoch, PAIRS_SAMPLE_TOKENS) // t))
+    batches = make_batches(sample, vocab_size=BYTE_VOCAB_SIZE)
+    return sum(causal_pairs(next(batches)["segment_ids"]) for _ in range(count)) / count
 
 
 def next_token_targets(tokens: np.ndarray, segment_ids: np.ndarray) -> np.ndarray:
