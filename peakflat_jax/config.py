@@ -87,7 +87,20 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Working dtype of parameters and activations (optimizer state is fp32 either way)."""
     init_std: float = 0.02
-    """Standard deviation of the normal initialisation."""
+    """Standard deviation of the normal initialisation of the layers' input projections (q, k,
+    v, the FFNs' gate and up, the router); the output projections (wo, w_down) take
+    ``init_std / sqrt(2 L)``, so that the L residual branches add up to about one's size."""
+    embedding_init_std: float | None = None
+    """Standard deviation of the embedding table's initialisation; None: 1.0, or 1 / sqrt(H)
+    with ``tie_embeddings`` (the table is then also the head, whose logits want a std of
+    about one). The embedding is the residual stream's start: under pre-RMSNorm every layer
+    divides by the stream's RMS, so a small table (``init_std``) amplifies the cotangents
+    into the first layers by 1 / RMS, which gave grad norms of ~100 and a loss spike in the
+    first steps (docs/design.md). 1.0 is MaxText's Llama default (flax's nn.Embed)."""
+    head_init_std: float | None = None
+    """Standard deviation of the output head's initialisation (untied); None: 1 / sqrt(H), so
+    that the logits of the final RMSNorm's unit-RMS output start with a std of about one (a
+    fan-in scaling, MaxText's logits dense)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +133,12 @@ class DataConfig:
     corpus_path: str | None = None
     """A UTF-8 text file whose documents are separated by blank lines; None: the public-domain
     corpus shipped in ``peakflat_jax/train/corpus/``."""
+    document_blank_lines: int = 1
+    """The document level: a run of at least this many blank lines ends a document (blank
+    lines within a document stay in its text). The shipped corpus separates chapters by one
+    and books by two: 1 gives a chapter a document, 2 a book a document, which long-context
+    runs want, so that a sequence attends over one long text rather than many short ones
+    (attention stays within a document)."""
     seq_len: int = 256
     """Context length T of every sequence."""
     batch_size: int = 8
@@ -202,7 +221,8 @@ class OptimizerConfig:
     learning_rate: float = 3e-3
     """Peak learning rate."""
     warmup_steps: int = 10
-    """Linear warm-up from 0."""
+    """W: a linear warm-up to the peak at step W + 1, starting at peak / (W + 1) (step s, from
+    0, takes peak (s + 1) / (W + 1)): not from 0, which made the first step no update."""
     decay: Literal["cosine", "constant"] = "cosine"
     """After warm-up: cosine decay to ``min_learning_rate_ratio`` x peak over the run, or
     constant."""
@@ -414,6 +434,7 @@ def check_config(config: Config) -> Config:
                 ("model.expert_ffn", m.expert_ffn), ("model.dense_ffn", m.dense_ffn),
                 ("data.seq_len", d.seq_len), ("data.batch_size", d.batch_size),
                 ("data.max_segments", d.max_segments),
+                ("data.document_blank_lines", d.document_blank_lines),
                 ("operators.max_chunks", o.max_chunks), ("optimizer.bucket_params",
                                                          opt.bucket_params),
                 ("optimizer.slots", opt.slots), ("train.steps", t.steps),
@@ -444,6 +465,11 @@ def check_config(config: Config) -> Config:
     if m.top_k > m.num_experts:
         raise ConfigError(f"model.top_k: expected at most model.num_experts = "
                           f"{m.num_experts}, got {m.top_k}")
+    for key, value in (("model.init_std", m.init_std),
+                       ("model.embedding_init_std", m.embedding_init_std),
+                       ("model.head_init_std", m.head_init_std)):
+        if value is not None and not (value >= 0 and math.isfinite(value)):
+            raise ConfigError(f"{key}: expected a finite non-negative number, got {value}")
     if m.rope_scaling_factor < 1 or not math.isfinite(m.rope_scaling_factor):
         raise ConfigError(f"model.rope_scaling_factor: expected a finite number >= 1, got "
                           f"{m.rope_scaling_factor}")

@@ -90,6 +90,7 @@ from peakflat_jax.ops import sco as sco_module
 from peakflat_jax.ops.sco import HostBudget
 from peakflat_jax.optim import offload_adamw as offload_module
 from peakflat_jax.optim import on_device_adamw as device_adamw_module
+from peakflat_jax.train.data import causal_pairs_per_sequence
 
 GIB = 2**30
 
@@ -913,6 +914,12 @@ def _block_options(config: Config, knobs: Knobs) -> list[int | None]:
 # The step-time estimate.
 
 
+def attention_fraction(config: Config, context: int) -> float:
+    """The causal pairs within documents of this config's data at ``context``, over full
+    causal's T (T + 1) / 2 (1 for synthetic data): what the step estimate's attention counts."""
+    return causal_pairs_per_sequence(config.data, context) / (context * (context + 1) / 2)
+
+
 def step_seconds(config: Config, knobs: Knobs, rates: Rates = Rates()) -> float:
     """An estimate of one step's time on a device: the model's matmuls with one recompute of
     every layer, attention, the Ulysses exchanges, the MoE's extra chunks, the boundary copies
@@ -925,9 +932,12 @@ def step_seconds(config: Config, knobs: Knobs, rates: Rates = Rates()) -> float:
     num_moe = layers - model.num_dense_layers
     # 6 FLOPs per active weight per token, +2 for the recompute of every layer's forward.
     matmul = 8.0 * active_parameters_per_token(model) * n / rates.matmul_flops
-    # Causal attention: 6 T Hq D per layer per token (model FLOPs), +1/3 for the recompute.
-    attention = 8.0 * layers * knobs.context * model.num_heads * model.head_dim * n / (
-        rates.attention_flops)
+    # Causal attention within documents, the trainer's convention (model.size): 12 Hq D per
+    # layer per causal pair (model FLOPs), +1/3 for the recompute, over the pairs of this
+    # config's data at this context (full causal for synthetic data), n / T sequences.
+    pairs = causal_pairs_per_sequence(config.data, knobs.context)
+    attention = 16.0 * layers * model.num_heads * model.head_dim * pairs * (
+        n / knobs.context) / rates.attention_flops
     compute = matmul + attention
     hkv = model.num_kv_heads if model.num_kv_heads % knobs.seq == 0 else model.num_heads
     exchanged = n * (2 * model.num_heads + 2 * hkv) * model.head_dim * itemsize
@@ -1298,6 +1308,7 @@ def plan_json(plan: Plan) -> dict:
         "knobs": plan.knobs.as_config(),
         "choices": [{"key": c.key, "value": c.value, "why": c.why} for c in plan.choices],
         "step_seconds_estimate": plan.step_seconds,
+        "step_attention_fraction": attention_fraction(plan.config, plan.knobs.context),
         "formulas": {t.name: t.formula for t in plan.terms},
     })
     if plan.baseline is not None:

@@ -172,7 +172,7 @@ def format_table(plan) -> str:
     """The terms of a ``peakflat_jax.plan.Plan`` (operators on, baseline), the programs'
     totals, feasibility and why, the knobs chosen and the largest context; in GiB, or MiB for a
     plan under 1 GiB."""
-    from peakflat_jax.plan import GIB, LIVE_SETS, PHASES
+    from peakflat_jax.plan import GIB, LIVE_SETS, PHASES, attention_fraction
 
     unit, scale = ("GiB", GIB) if plan.total_bytes >= GIB else ("MiB", 2**20)
 
@@ -224,8 +224,10 @@ def format_table(plan) -> str:
         for choice in plan.choices:
             lines.append(f"  {choice.key} = {choice.value}: {choice.why}")
     if plan.step_seconds is not None:
+        fraction = attention_fraction(plan.config, knobs.context)
         lines.append(f"estimated step: {plan.step_seconds:.3f} s (Rates: measured rates, "
-                     f"docs/plan.md)")
+                     f"docs/plan.md; attention within documents, {fraction:.1%} of full causal "
+                     f"at {knobs.context:,} tokens, from the config's data)")
     if plan.device_memory is not None:
         for label, p in (("operators on", plan), ("baseline", base)):
             if p is not None:

@@ -110,6 +110,33 @@ def test_documents_split_on_blank_lines(tmp_path):
                                                  "é five".encode()]
 
 
+def test_document_level_splits_at_runs_of_blank_lines(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(b"a\n\nb\n \n\nc\n\n\n\nd\n\ne\n")
+    assert pf_data.read_documents(str(path), 1) == [b"a", b"b", b"c", b"d", b"e"]
+    assert pf_data.read_documents(str(path), 2) == [b"a\n\nb", b"c", b"d\n\ne"]
+    assert pf_data.read_documents(str(path), 3) == [b"a\n\nb\n \n\nc", b"d\n\ne"]
+    with pytest.raises(ConfigError, match="^data.document_blank_lines: expected a positive"):
+        pf_data.read_documents(str(path), 0)
+
+
+def test_a_book_a_document_fills_long_sequences_with_one_text():
+    """The shipped corpus at document_blank_lines 2: its two books, each holding its chapters;
+    a 4,096-token sequence of it is one segment (both books are longer), and its chapters are
+    the documents of level 1."""
+    chapters = pf_data.read_documents(None, 1)
+    books = pf_data.read_documents(None, 2)
+    assert [book[:9] for book in books] == [b"Genesis 1", b"Exodus 1\n"]
+    assert b"\n\n".join(books) == b"\n\n".join(chapters)
+    assert pf_data.describe(DataConfig(document_blank_lines=2))["documents"] == 2
+    data = DataConfig(seq_len=4096, batch_size=2, max_segments=4, document_blank_lines=2)
+    for batch in take(pf_data.make_batches(data, vocab_size=260), 3):
+        assert np.all(batch["segment_ids"] == 1)  # one text, no document boundary
+    chapter_level = next(pf_data.make_batches(dataclasses.replace(data, document_blank_lines=1),
+                                              vocab_size=260))
+    assert chapter_level["segment_ids"].max() > 1
+
+
 def test_next_token_targets_rule():
     tokens = np.array([[BOS, 10, 11, EOS, BOS, 20, PAD, PAD],
                        [30, 31, EOS, BOS, 40, 41, 42, 43]])

@@ -107,6 +107,67 @@ def test_fsdp_matches_the_optax_transformation(rng, name, max_grad_norm):
         assert new.sharding.is_equivalent_to(old.sharding, old.ndim)
 
 
+# -- optax's transformations, one by one --------------------------------------------------------
+
+# Elementwise: each holds to optax's own result on a tree cut across buckets.
+OPTAX_ELEMENTWISE = {
+    "adam": lambda: optax.adam(1e-2), "adamw": lambda: optax.adamw(SCHEDULE),
+    "sgd": lambda: optax.sgd(1e-2), "momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    "rmsprop": lambda: optax.rmsprop(1e-2), "rmsprop_centered": lambda: optax.rmsprop(
+        1e-2, centered=True, momentum=0.5),
+    "adagrad": lambda: optax.adagrad(1e-2), "adabelief": lambda: optax.adabelief(1e-2),
+    "yogi": lambda: optax.yogi(1e-2), "lion": lambda: optax.lion(1e-3),
+    "radam": lambda: optax.radam(1e-2), "adamax": lambda: optax.adamax(1e-2),
+    "adamaxw": lambda: optax.adamaxw(1e-2), "amsgrad": lambda: optax.amsgrad(1e-2),
+    "nadam": lambda: optax.nadam(1e-2), "nadamw": lambda: optax.nadamw(1e-2),
+    "adadelta": lambda: optax.adadelta(1e-1), "adan": lambda: optax.adan(1e-2),
+    "rprop": lambda: optax.rprop(1e-2), "sign_sgd": lambda: optax.sign_sgd(1e-2),
+    "signum": lambda: optax.signum(1e-2), "adopt": lambda: optax.contrib.adopt(1e-2),
+    "ademamix": lambda: optax.contrib.ademamix(1e-2),
+    "optimistic_gradient_descent": lambda: optax.optimistic_gradient_descent(1e-2),
+    "schedule_free_adamw": lambda: optax.contrib.schedule_free_adamw(1e-2),
+    "cocob": lambda: optax.contrib.cocob(),
+    "decayed_weights_chain": lambda: optax.chain(optax.add_decayed_weights(1e-2),
+                                                 optax.scale_by_rms(), optax.scale(-1e-2)),
+}
+
+# Not elementwise (coupled elements, per-axis state, the tree's structure, the loss's value):
+# each is refused with the reason.
+OPTAX_COUPLED = {
+    "sm3": (lambda: optax.sm3(1e-2), "per-axis statistics"),
+    "adafactor": (lambda: optax.adafactor(1e-2), "reduce_sum"),
+    "novograd": (lambda: optax.novograd(1e-2), "reduce_sum"),
+    "lamb": (lambda: optax.lamb(1e-2), "reduce_sum"),
+    "lars": (lambda: optax.lars(1e-2), "MaskedState"),
+    "fromage": (lambda: optax.fromage(1e-2), "reduce_sum"),
+    "clip_by_global_norm_chain": (lambda: optax.chain(optax.clip_by_global_norm(1.0),
+                                                      optax.adam(1e-2)), "reduce_sum"),
+    "clip_by_block_rms": (lambda: optax.chain(optax.clip_by_block_rms(1.0), optax.sgd(1e-2)),
+                          "not elementwise"),
+    "noisy_sgd": (lambda: optax.noisy_sgd(1e-2, key=0), "position"),
+    "lbfgs": (lambda: optax.lbfgs(), "neither per-parameter nor shared"),
+    "polyak_sgd": (lambda: optax.polyak_sgd(), "does not run as update"),
+    "prodigy": (lambda: optax.contrib.prodigy(), "dot_general"),
+    "dowg": (lambda: optax.contrib.dowg(), "not elementwise"),
+    "muon": (lambda: optax.contrib.muon(1e-2), "PartitionState"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTAX_ELEMENTWISE))
+def test_every_accepted_optax_transformation_matches_optax(rng, name):
+    """Bucket 50 cuts the 12 x 8 and 2 x 8 x 8 leaves across buckets; 3 steps, 1e-6."""
+    opt = offload_stream(OPTAX_ELEMENTWISE[name](), bucket_params=50, slots=2)
+    check_against_optax(rng, opt, OPTAX_ELEMENTWISE[name](), make_params(rng), steps=3)
+
+
+@pytest.mark.parametrize("name", sorted(OPTAX_COUPLED))
+def test_every_optax_transformation_that_couples_elements_is_refused(name):
+    make, reason = OPTAX_COUPLED[name]
+    with pytest.raises(ValueError, match=f"^transformation: .*{reason}"):
+        offload_stream(make())
+
+
 # -- what is not elementwise is refused -----------------------------------------------------------
 
 
@@ -118,6 +179,7 @@ def test_fsdp_matches_the_optax_transformation(rng, name, max_grad_norm):
                            lambda p: jax.tree.map(lambda _: "a", p)), "holds a"),
     (optax.add_noise(0.1, 0.5, 0), "position"),         # noise drawn per position
     (optax.adafactor(1e-3), "not elementwise"),         # factored second moments
+    (optax.sm3(1e-2), "per-axis statistics"),            # elementwise on a vector only
     ("adam", "expected an optax GradientTransformation"),
 ])
 def test_transformations_that_are_not_elementwise_are_refused(transformation, reason):

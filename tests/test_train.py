@@ -82,6 +82,10 @@ def test_loss_falls_on_the_corpus(tmp_path):
                       run_dir=str(tmp_path)).run(progress=False)
     losses = summary["losses"]
     assert np.mean(losses[-3:]) < losses[0] - 0.5, losses
+    assert "within documents" in summary["flops_convention"]  # the FLOPs' convention, named
+    assert summary["mfu"] is None and summary["mfu_denominator"].startswith("no matmul rate")
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert 0 < record["attention_pairs_fraction"] <= 1  # the first batch's share of full causal
     assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "summary.json").exists()
     assert any(p.name.startswith("events") for p in (tmp_path / "tensorboard").iterdir())
 

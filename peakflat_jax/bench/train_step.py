@@ -22,6 +22,7 @@ import tempfile
 import time
 
 import jax
+import numpy as np
 
 from peakflat_jax.bench import harness
 
@@ -50,6 +51,7 @@ def presets() -> dict[str, list[dict]]:
 def run_case(case: dict) -> dict:
     from peakflat_jax.cli import enable_compilation_cache
     from peakflat_jax.config import load_config
+    from peakflat_jax.model.size import model_flops
     from peakflat_jax.train.trainer import DoesNotFit, Trainer
 
     enable_compilation_cache()  # the modes of one config share its gradient program
@@ -81,7 +83,10 @@ def run_case(case: dict) -> dict:
             samples.append(time.perf_counter() - started)
     tokens = config.data.batch_size * config.data.seq_len
     median = statistics.median(samples)
-    tflops = trainer.flops_per_token * tokens / median / len(jax.devices()) / 1e12
+    # Model FLOPs of the timed batches' own documents (model.size's convention).
+    flops = statistics.mean(model_flops(config.model, np.asarray(batch["segment_ids"]))
+                            for batch in batches[warmup:])
+    tflops = flops / median / len(jax.devices()) / 1e12
     return {**result, "step_s": median, "step_min_s": min(samples),
             "step_max_s": max(samples), "tokens_per_s": tokens / median,
             "model_tflops_per_device": tflops, "peak_bytes": harness.peak_bytes_over(

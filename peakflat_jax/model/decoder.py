@@ -23,6 +23,8 @@ multiple of the mesh's W devices, E experts.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -38,6 +40,20 @@ from peakflat_jax.ops.sco import PerLayer, sco_scan
 
 IGNORE = -100
 """The target of a token that predicts nothing (document ends, padding)."""
+
+
+def embedding_init_std(config: ModelConfig) -> float:
+    """``model.embedding_init_std`` resolved: the residual stream starts at RMS ~1 (its
+    docstring says why), or, tied, the table is sized as the head."""
+    if config.embedding_init_std is not None:
+        return config.embedding_init_std
+    return 1 / math.sqrt(config.hidden) if config.tie_embeddings else 1.0
+
+
+def head_init_std(config: ModelConfig) -> float:
+    """``model.head_init_std`` resolved: 1 / sqrt(H), logits of std ~1 from the unit-RMS final
+    norm."""
+    return 1 / math.sqrt(config.hidden) if config.head_init_std is None else config.head_init_std
 
 
 def _stack(config: ModelConfig, count: int, *, moe: bool, rngs: nnx.Rngs) -> DecoderLayer:
@@ -58,14 +74,15 @@ class MoEDecoder(nnx.Module):
         dtype = jnp.dtype(config.dtype)
         self.config = config
         self.padded_vocab = padded_vocab
-        self.embedding = _normal(rngs, (padded_vocab, config.hidden), config.init_std, dtype)
+        self.embedding = _normal(rngs, (padded_vocab, config.hidden),
+                                 embedding_init_std(config), dtype)
         num_dense = config.num_dense_layers
         num_moe = config.num_layers - num_dense
         self.dense_layers = _stack(config, num_dense, moe=False, rngs=rngs) if num_dense else None
         self.moe_layers = _stack(config, num_moe, moe=True, rngs=rngs) if num_moe else None
         self.final_norm = RMSNorm(config.hidden, config.norm_eps, dtype)
         self.head = None if config.tie_embeddings else _normal(
-            rngs, (config.hidden, padded_vocab), config.init_std, dtype)
+            rngs, (config.hidden, padded_vocab), head_init_std(config), dtype)
 
     @property
     def num_moe_layers(self) -> int:

@@ -166,6 +166,9 @@ class MoE(nnx.Module):
         h, e, f = config.hidden, config.num_experts, config.expert_ffn
         dtype, std = jnp.dtype(config.dtype), config.init_std
         self.config = config
+        # The router reads the normalized stream (RMS 1): logits of std init_std sqrt(H), near
+        # a fan-in init's 1 at the presets' widths and smaller (routing nearer uniform, the
+        # balanced start a router wants) at small H.
         self.router = _normal(rngs, (h, e), std, dtype)
         self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32))
         self.w_gate = _normal(rngs, (e, h, f), std, dtype)

@@ -1,16 +1,32 @@
-"""The decoder's size in closed form: parameters by part, and the model's FLOPs per token.
+"""The decoder's size in closed form: parameters by part, and the model's FLOPs.
 
-Both are pure functions of the config, shared by the planner (bytes of every weight shard) and
-the trainer (model TFLOP/s and MFU). Model FLOPs count the matmuls of forward and backward
-(6 per weight per token) and causal attention (QK^T and PV over the causal half), not the
-recomputation: the figure a stack without remat would need, so that stacks compare fairly.
+Pure functions of the config (and, for attention, of the batch's documents), shared by the
+planner (bytes of every weight shard, the step-time estimate) and the trainer (model TFLOP/s
+and MFU). Model FLOPs count forward and backward, not the recomputation: the figure a stack
+without remat would need, so that stacks compare fairly.
+
+The convention (``FLOPS_CONVENTION``): matmuls 6 per active weight per token (2 forward, 4
+backward), over every token of the batch; attention 12 Hq D per layer per causal query-key
+pair (QK^T and PV, 2 FLOPs each per pair and head dimension, times 3 for forward + backward),
+over the pairs that attention within documents computes: ``causal_pairs``, the sum over rows
+and documents (segment id > 0; padding, id 0, is no document) of L_s (L_s + 1) / 2. That is
+what runs: the kernels mask (XLA) or skip (cuDNN's packed-segment layout) the pairs that cross
+a document boundary. With one document per sequence (synthetic data) it is full causal,
+T (T + 1) / 2 per sequence (``model_flops_per_token``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from peakflat_jax.config import ModelConfig
+
+FLOPS_CONVENTION = ("model FLOPs: 6 x active params x tokens (matmuls, forward + backward) + "
+                    "12 x layers x query heads x head_dim x causal pairs within documents "
+                    "(segment ids > 0 of each batch); no recompute")
+"""The convention of every model FLOP figure, as the trainer's summary states it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +87,41 @@ def active_parameters_per_token(config: ModelConfig) -> int:
             + counts.num_moe_layers * per_moe_layer + config.hidden * config.vocab_size)
 
 
+def causal_pairs(segment_ids: np.ndarray) -> int:
+    """The query-key pairs of causal attention within documents in a batch of ``segment_ids``
+    ``[B, T]`` (or ``[T]``): the sum over rows and over the ids s > 0 of L_s (L_s + 1) / 2,
+    L_s the tokens of id s in the row (the data pipeline's convention: ids 1, 2, ... number a
+    sequence's documents, 0 is padding). Tokens of one id attend to the earlier ones of that id
+    (the attention mask), so the count is the mask's."""
+    ids = np.asarray(segment_ids)
+    ids = ids.reshape(-1, ids.shape[-1]) if ids.ndim else ids.reshape(1, 1)
+    if ids.size == 0:
+        return 0
+    if ids.min() < 0:
+        raise ValueError(f"segment_ids: expected ids >= 0, got {ids.min()}")
+    width = int(ids.max()) + 1
+    rows = np.arange(ids.shape[0])[:, None]
+    lengths = np.bincount((rows * width + ids).ravel(), minlength=ids.shape[0] * width)
+    lengths = lengths.reshape(ids.shape[0], width)[:, 1:].astype(np.int64)
+    return int(np.sum(lengths * (lengths + 1) // 2))
+
+
+def attention_flops(config: ModelConfig, pairs: int | float) -> float:
+    """Forward + backward attention FLOPs over ``pairs`` causal query-key pairs (module doc)."""
+    return 12.0 * config.num_layers * config.num_heads * config.head_dim * pairs
+
+
+def model_flops(config: ModelConfig, segment_ids: np.ndarray) -> float:
+    """Forward + backward model FLOPs of a batch of ``segment_ids`` ``[B, T]`` (module doc):
+    the matmuls over its B T tokens and attention within its documents."""
+    tokens = np.asarray(segment_ids).size
+    return (6.0 * active_parameters_per_token(config) * tokens
+            + attention_flops(config, causal_pairs(segment_ids)))
+
+
 def model_flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Forward + backward FLOPs per token at context ``seq_len``: 6 per active weight, and
-    causal attention's 6 T Hq D per layer (QK^T and PV, 2 FLOPs each, over half the T x T
-    scores, times 3 for forward + backward)."""
-    attention = 6 * config.num_layers * seq_len * config.num_heads * config.head_dim
-    return 6.0 * active_parameters_per_token(config) + attention
+    """Forward + backward FLOPs per token of one document filling a sequence of ``seq_len``
+    (full causal: T (T + 1) / 2 pairs per sequence; synthetic data). Packed documents compute
+    fewer pairs: ``model_flops`` of the batch."""
+    pairs = seq_len * (seq_len + 1) / 2
+    return 6.0 * active_parameters_per_token(config) + attention_flops(config, pairs) / seq_len

@@ -19,8 +19,9 @@ are in ``MEMORY_FORMULAS``.
 
 Which transformations: elementwise ones (adamw, lion, sgd with momentum or nesterov, and chains
 of such), whose per-bucket result equals their result on the tree. ``_elementwise`` checks the
-contract by tracing, and refuses reductions (``optax.clip_by_global_norm``: use
-``max_grad_norm``), masks and partitions.
+contract by tracing, on buckets and on trees of matrices, and refuses reductions
+(``optax.clip_by_global_norm``: use ``max_grad_norm``), per-axis state (SM3, Adafactor), masks
+and partitions.
 
 Why it is shaped so:
 - Every copy is a whole array placed by XLA inside one program: the fast path for host copies,

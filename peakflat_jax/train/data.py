@@ -3,8 +3,12 @@ Grain pipeline whose iterator state checkpoints (resume is exact).
 
 Tokens. A document is ``[BOS] + its UTF-8 bytes + [EOS]``: bytes are tokens 0..255, BOS = 256,
 EOS = 257, PAD = 258 (259 is reserved), so the vocabulary is 260. The corpus is one text file
-whose documents are separated by blank lines (``data.corpus_path``; by default the King James
-Genesis and Exodus shipped in ``corpus/``, one chapter a document). Nothing is downloaded.
+whose documents are separated by runs of blank lines (``data.corpus_path``; by default the King
+James Genesis and Exodus shipped in ``corpus/``), at least ``data.document_blank_lines`` of
+them: the shipped corpus separates chapters by one blank line and its two books by two, so 1
+gives a chapter a document and 2 a book a document (the long-context presets: a sequence then
+holds one text as long as the book allows, not a dozen chapters that attend only within
+themselves). Nothing is downloaded.
 
 Packing (Grain's ``ConcatThenSplitIterDataset``). The shuffled documents are concatenated into
 one stream that is cut every T tokens; a document that does not fit in what is left of a
@@ -68,6 +72,7 @@ line that a test can state.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import pathlib
@@ -79,6 +84,7 @@ import grain
 import numpy as np
 
 from peakflat_jax.config import ConfigError, DataConfig
+from peakflat_jax.model.size import causal_pairs
 
 BOS = 256
 """Opens every document."""
@@ -90,6 +96,9 @@ BYTE_VOCAB_SIZE = 260
 """256 bytes, BOS, EOS, PAD and one reserved id."""
 IGNORE = -100
 """A target that the loss skips."""
+
+PAIRS_SAMPLE_TOKENS = 1 << 19
+"""The most tokens ``causal_pairs_per_sequence`` packs (beyond its first sequence)."""
 
 DEFAULT_CORPUS = pathlib.Path(__file__).resolve().parent / "corpus" / "kjv_genesis_exodus.txt"
 """The corpus used when ``data.corpus_path`` is None."""
@@ -143,7 +152,7 @@ def describe(data: DataConfig) -> dict[str, Any]:
     bytes (``pipeline_host_bytes``'s L)."""
     if data.source == "synthetic":
         return {"source": "synthetic", "tokens_per_step": data.batch_size * data.seq_len}
-    documents = read_documents(data.corpus_path)
+    documents = read_documents(data.corpus_path, data.document_blank_lines)
     size = sum(len(document) for document in documents)
     return {"source": "corpus", "path": str(_corpus_path(data.corpus_path)),
             "documents": len(documents), "bytes": size, "tokens": size + 2 * len(documents),
@@ -151,10 +160,11 @@ def describe(data: DataConfig) -> dict[str, Any]:
             "tokens_per_step": data.batch_size * data.seq_len}
 
 
-def read_documents(corpus_path: str | None) -> list[bytes]:
+def read_documents(corpus_path: str | None, blank_lines: int = 1) -> list[bytes]:
     """The documents of a UTF-8 text file (``data.corpus_path``; None: ``DEFAULT_CORPUS``):
-    the text between blank lines (lines of spaces and tabs count as blank), stripped of
-    whitespace at both ends, empty ones dropped. Raises ConfigError naming data.corpus_path."""
+    the text between runs of at least ``blank_lines`` blank lines (``data.document_blank_lines``;
+    lines of spaces and tabs count as blank), stripped of whitespace at both ends, empty ones
+    dropped. Raises ConfigError naming data.corpus_path."""
     path = _corpus_path(corpus_path)
     if not path.is_file():
         raise ConfigError(f"data.corpus_path: no such file {str(path)!r}")
@@ -164,11 +174,33 @@ def read_documents(corpus_path: str | None) -> list[bytes]:
     except UnicodeDecodeError as error:
         raise ConfigError(f"data.corpus_path: {str(path)!r} is not UTF-8 text (byte "
                           f"{error.start}: {error.reason})") from None
-    documents = [document.strip() for document in re.split(rb"\r?\n[ \t]*\r?\n", raw)]
+    if blank_lines < 1:
+        raise ConfigError(f"data.document_blank_lines: expected a positive integer, got "
+                          f"{blank_lines}")
+    separator = rb"\r?\n(?:[ \t]*\r?\n){%d}" % blank_lines
+    documents = [document.strip() for document in re.split(separator, raw)]
     documents = [document for document in documents if document]
     if not documents:
         raise ConfigError(f"data.corpus_path: {str(path)!r} holds no text")
     return documents
+
+
+@functools.lru_cache(maxsize=64)
+def causal_pairs_per_sequence(data: DataConfig, seq_len: int | None = None) -> float:
+    """The causal query-key pairs within documents (``model.size.causal_pairs``) of one
+    sequence of this config's data at ``seq_len`` (default ``data.seq_len``), on average: T (T +
+    1) / 2 for synthetic data (one document a sequence, exact); for a corpus, the mean over the
+    first sequences that the pipeline packs at that length, as many as an epoch's tokens fill
+    (at least one, at most ``PAIRS_SAMPLE_TOKENS`` tokens beyond it). What the planner's step
+    estimate counts, by the trainer's convention."""
+    t = data.seq_len if seq_len is None else seq_len
+    if data.source == "synthetic":
+        return t * (t + 1) / 2
+    sample = dataclasses.replace(data, seq_len=t, batch_size=1)
+    epoch = describe(sample)["tokens"]
+    count = max(1, -(-min(epoch, PAIRS_SAMPLE_TOKENS) // t))
+    batches = make_batches(sample, vocab_size=BYTE_VOCAB_SIZE)
+    return sum(causal_pairs(next(batches)["segment_ids"]) for _ in range(count)) / count
 
 
 def next_token_targets(tokens: np.ndarray, segment_ids: np.ndarray) -> np.ndarray:
@@ -208,7 +240,8 @@ def _check(data: DataConfig, *, vocab_size: int, process_index: int, process_cou
     if data.source not in ("corpus", "synthetic"):
         raise ConfigError(f"data.source: expected 'corpus' or 'synthetic', got {data.source!r}")
     for key, value in (("data.seq_len", data.seq_len), ("data.batch_size", data.batch_size),
-                       ("data.max_segments", data.max_segments)):
+                       ("data.max_segments", data.max_segments),
+                       ("data.document_blank_lines", data.document_blank_lines)):
         if value < 1:
             raise ConfigError(f"{key}: expected a positive integer, got {value}")
     if data.seed < 0:
@@ -232,7 +265,7 @@ def _check(data: DataConfig, *, vocab_size: int, process_index: int, process_cou
 
 def _packed_batches(data: DataConfig, *, first_row: int, rows: int) -> grain.IterDataset:
     """The corpus pipeline: documents shuffled, repeated, tokenized, packed, batched."""
-    documents = read_documents(data.corpus_path)
+    documents = read_documents(data.corpus_path, data.document_blank_lines)
     stream = (grain.MapDataset.source(documents)
               .shuffle(seed=data.seed)
               .repeat()

@@ -1,5 +1,12 @@
-"""What a training run reports: per-step metrics to JSONL and TensorBoard, memory readings, the
-device's peak FLOP rate for MFU, and a progress bar.
+"""What a training run reports: per-step metrics to JSONL and TensorBoard, memory readings, model
+FLOP/s and MFU, and a progress bar.
+
+Model FLOP/s: each step's model FLOPs from the batch's own documents (``model.size``'s
+convention, ``FLOPS_CONVENTION``: attention over the causal pairs within documents, not over
+the whole sequence), over the step's time and the devices. MFU divides it by the device's
+measured dense matmul rate where one is known (``MEASURED_MATMUL_FLOPS``), else by the vendor's
+dense peak (``PEAK_FLOPS``); the summary names the denominator. Model FLOP/s above the measured
+matmul rate cannot be real (attention and the MoE run below it): the run warns.
 
 Only process 0 writes. Peak device memory is the allocator's ``peak_bytes_in_use`` (GPUs; None
 where the backend keeps no statistics, as on CPU); host memory is this process's resident set.
@@ -13,6 +20,18 @@ import sys
 import time
 
 import jax
+import numpy as np
+
+from peakflat_jax.config import ModelConfig
+from peakflat_jax.model.size import FLOPS_CONVENTION, causal_pairs, model_flops
+
+H200_MEASURED_BF16_MATMUL_FLOPS = 760e12
+"""Dense bf16 matmul FLOP/s measured on one H200 (JAX-NOTES.md: 8192^3 under XLA), the same
+figure as the planner's ``Rates.matmul_flops``."""
+
+MEASURED_MATMUL_FLOPS = {"H200": {"bfloat16": H200_MEASURED_BF16_MATMUL_FLOPS}}
+"""Dense matmul FLOP/s measured per device kind and dtype: MFU's denominator where known, and
+the ceiling that model FLOP/s cannot honestly pass."""
 
 # Dense matmul peaks per device, FLOP/s (vendor figures: bf16 and TF32 tensor cores without
 # sparsity). fp32 matmuls on these GPUs run on TF32 under XLA's default precision.
@@ -29,6 +48,77 @@ def peak_flops(device, dtype: str) -> float | None:
         if name in device.device_kind:
             return peaks.get(dtype)
     return None
+
+
+def measured_matmul_flops(device, dtype: str) -> float | None:
+    """The measured dense matmul rate of ``device`` for ``dtype`` (None where not measured)."""
+    for name, rates in MEASURED_MATMUL_FLOPS.items():
+        if name in device.device_kind:
+            return rates.get(dtype)
+    return None
+
+
+def mfu_denominator(device, dtype: str) -> tuple[float | None, str]:
+    """(FLOP/s, its label): the measured dense matmul rate of ``device`` for ``dtype`` where
+    known, else the vendor's dense peak, else (None, why)."""
+    measured = measured_matmul_flops(device, dtype)
+    if measured is not None:
+        return measured, (f"measured dense {dtype} matmul of {device.device_kind}, "
+                          f"{measured / 1e12:.0f} TFLOP/s")
+    peak = peak_flops(device, dtype)
+    if peak is not None:
+        return peak, f"vendor dense {dtype} peak of {device.device_kind}, {peak / 1e12:.1f} TFLOP/s"
+    return None, f"no matmul rate known for {device.device_kind}"
+
+
+class Throughput:
+    """Each step's model FLOP/s per device and MFU, from the step's batch (module doc).
+
+    ``step(segment_ids, seconds)`` takes this process's rows of the batch (the numpy array the
+    data pipeline made) and its time, and returns the record's fields; the FLOPs of this
+    process's rows are divided over this process's devices of the mesh. ``warning()`` returns,
+    once, the warning of a step whose model FLOP/s passed the measured matmul rate."""
+
+    def __init__(self, config: ModelConfig, mesh, dtype: str | None = None):
+        self.config = config
+        devices = [d for d in np.asarray(mesh.devices).flat
+                   if d.process_index == jax.process_index()]
+        self.num_devices = len(devices)
+        dtype = dtype or config.dtype
+        self.denominator, self.label = mfu_denominator(devices[0], dtype)
+        self.ceiling = measured_matmul_flops(devices[0], dtype)
+        self._warning: str | None = None
+        self._warned = False
+
+    def step(self, segment_ids, seconds: float) -> dict:
+        flops = model_flops(self.config, segment_ids) / self.num_devices / seconds
+        full = np.asarray(segment_ids).shape[-1]
+        if self.ceiling is not None and flops > self.ceiling and not self._warned:
+            self._warned = True
+            self._warning = (f"warning: {flops / 1e12:.1f} model TFLOP/s per device is above "
+                             f"the device's measured dense matmul rate "
+                             f"({self.ceiling / 1e12:.0f} TFLOP/s): the FLOP count or the "
+                             f"step time is wrong")
+        return {"model_tflops_per_device": flops / 1e12,
+                "mfu": flops / self.denominator if self.denominator else None,
+                "attention_pairs_fraction": _pairs_fraction(segment_ids, full)}
+
+    def warning(self) -> str | None:
+        """The pending warning (once per run), or None."""
+        warning, self._warning = self._warning, None
+        return warning
+
+    def summary_fields(self) -> dict:
+        """What the summary states about its FLOP figures: the convention and MFU's
+        denominator."""
+        return {"flops_convention": FLOPS_CONVENTION, "mfu_denominator": self.label,
+                "mfu_denominator_flops": self.denominator}
+
+
+def _pairs_fraction(segment_ids, seq_len: int) -> float:
+    """The batch's causal pairs within documents over full causal's T (T + 1) / 2 a row."""
+    rows = max(1, np.asarray(segment_ids).size // max(seq_len, 1))
+    return causal_pairs(segment_ids) / (rows * seq_len * (seq_len + 1) / 2)
 
 
 def device_peak_bytes() -> int | None:

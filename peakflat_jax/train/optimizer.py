@@ -24,16 +24,19 @@ from peakflat_jax.optim.offload_stream import offload_stream
 
 
 def learning_rate_schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
-    """Linear warm-up from 0 to the peak, then cosine decay to ``min_learning_rate_ratio`` x
-    peak at ``total_steps`` (or constant)."""
+    """Linear warm-up over W = ``warmup_steps`` steps from peak / (W + 1) (step s takes peak
+    (s + 1) / (W + 1), the peak at step W), then cosine decay to ``min_learning_rate_ratio`` x
+    peak at ``total_steps`` (or constant). Not from 0: optax counts steps from 0, so a warm-up
+    from 0 makes the first update a no-op that still moves Adam's moments."""
     peak, warmup = config.learning_rate, config.warmup_steps
+    start = peak / (warmup + 1)
     if config.decay == "cosine":
         return optax.warmup_cosine_decay_schedule(
-            0.0, peak, warmup_steps=warmup, decay_steps=max(total_steps, warmup + 1),
+            start, peak, warmup_steps=warmup, decay_steps=max(total_steps, warmup + 1),
             end_value=peak * config.min_learning_rate_ratio)
     if warmup == 0:
         return optax.constant_schedule(peak)
-    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
+    return optax.join_schedules([optax.linear_schedule(start, peak, warmup),
                                  optax.constant_schedule(peak)], [warmup])
 
 

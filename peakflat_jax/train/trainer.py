@@ -13,7 +13,8 @@ Either refusal names the terms and what to change.
 
 Reported per step (JSONL + TensorBoard under ``train.run_dir``, a progress bar on a terminal):
 loss, learning rate, gradient norm, tokens/s, model TFLOP/s per device and MFU (model FLOPs of
-``model.size``, the device's dense peak), peak device memory, host memory. A batch without a
+each batch by ``model.size``'s convention, attention within documents; MFU of the device's
+measured matmul rate, ``train.metrics``), peak device memory, host memory. A batch without a
 valid target is reported and skipped (its mean loss is NaN).
 
 A run directory holds one run (``run_dir``: what it holds, when a run may use it; checkpoints at
@@ -44,7 +45,6 @@ from peakflat_jax.model.attention import choose_implementation
 from peakflat_jax.model.decoder import IGNORE
 from peakflat_jax.model.layers import Runtime
 from peakflat_jax.model.sharding import init_model
-from peakflat_jax.model.size import model_flops_per_token
 from peakflat_jax.ops.sco import PerLayer
 from peakflat_jax.plan import DoesNotFit, check_plan, offload_flags
 from peakflat_jax.train import checkpoint as ckpt
@@ -132,7 +132,6 @@ class Trainer:
         self.batches = data_pipeline.make_batches(
             config.data, vocab_size=config.model.vocab_size,
             process_index=jax.process_index(), process_count=jax.process_count())
-        self.flops_per_token = model_flops_per_token(config.model, config.data.seq_len)
 
     # -- state --------------------------------------------------------------------------------
 
@@ -453,8 +452,7 @@ class Trainer:
         bar = report.Progress(self.total_steps, state.step, enabled=progress)
         bar.write(self.banner(state))
         tokens_per_step = config.data.batch_size * config.data.seq_len
-        num_devices = mop.num_devices(self.mesh)
-        peak = report.peak_flops(jax.devices()[0], config.model.dtype)
+        throughput = report.Throughput(config.model, self.mesh)  # FLOPs from each batch
         history = []
         compiled = False
         stop = interrupts.StopRequests()
@@ -464,7 +462,8 @@ class Trainer:
                 # Asked before a step's batch is drawn: a checkpoint's data position is then
                 # always that of its step.
                 while state.step < last_step and not stop.requested():
-                    batch = self.global_batch(next(self.batches))
+                    local = next(self.batches)
+                    batch = self.global_batch(local)
                     valid = int(jnp.sum(batch["targets"] != IGNORE))
                     if not compiled:
                         started = time.perf_counter()
@@ -485,19 +484,18 @@ class Trainer:
                     state, metrics = self.step(state, batch)
                     loss = float(metrics["loss"])  # waits for the step
                     seconds = time.perf_counter() - started
-                    tflops = (self.flops_per_token * tokens_per_step / seconds / num_devices
-                              / 1e12)
                     record = {
                         "loss": loss, "grad_norm": float(metrics["grad_norm"]),
                         "learning_rate": float(self.schedule(state.step - 1)),
                         "step_seconds": seconds, "tokens_per_second": tokens_per_step / seconds,
-                        "model_tflops_per_device": tflops,
-                        "mfu": tflops * 1e12 / peak if peak else None,
+                        **throughput.step(local["segment_ids"], seconds),
                         "peak_device_bytes": report.device_peak_bytes(),
                         "host_bytes": report.host_resident_bytes(),
                         "valid_targets": valid,
                     }
                     history.append(record)
+                    if warning := throughput.warning():
+                        bar.write(warning)
                     if state.step % config.train.log_every == 0 or state.step == last_step:
                         writer.write(state.step, record)
                     bar.update(state.step, self.total_steps,
@@ -517,7 +515,7 @@ class Trainer:
             writer.close()
             bar.close()
         self.final_state = state
-        summary = self.summary([*earlier, *history], state)
+        summary = {**self.summary([*earlier, *history], state), **throughput.summary_fields()}
         summary["resumed_from"] = resumed_from
         if jax.process_index() == 0:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -639,7 +637,8 @@ def format_summary(summary: dict) -> str:
         f"  {fmt(summary['tokens_per_second'], ' tokens/s', digits=0)}, "
         f"{fmt(summary['median_step_seconds'], ' s/step', digits=3)}, "
         f"{fmt(summary['model_tflops_per_device'], ' model TFLOP/s per device')}, "
-        f"MFU {fmt(summary['mfu'] and summary['mfu'] * 100, '%', digits=1)}",
+        f"MFU {fmt(summary['mfu'] and summary['mfu'] * 100, '%', digits=1)} (of the "
+        f"{summary.get('mfu_denominator', 'n/a')}; attention within documents)",
         f"  peak device memory {fmt(summary['peak_device_bytes'], ' GiB', 2**30)} (XLA's plan "
         f"{fmt(summary['xla_plan_bytes'], ' GiB', 2**30)}), host "
         f"{fmt(summary['host_bytes'], ' GiB', 2**30)}",

@@ -182,10 +182,11 @@ def checkpointed_stack(a: dict, p: dict) -> dict:
 
 
 def learning_rate(p: dict, step: int) -> float:
-    """The trainer's schedule (optax's warmup_cosine_decay_schedule / warm-up then constant)."""
+    """The trainer's schedule (optax's warmup_cosine_decay_schedule from peak / (W + 1) /
+    warm-up then constant)."""
     peak, warmup = p["learning_rate"], p["warmup_steps"]
     if step < warmup:
-        return peak * step / warmup
+        return peak * (step + 1) / (warmup + 1)
     if p["decay"] == "constant":
         return peak
     span = p["decay_steps"] - warmup
