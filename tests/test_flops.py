@@ -125,6 +125,6 @@ def test_mfu_is_of_the_measured_matmul_rate_and_too_fast_a_step_warns():
 def test_without_a_measured_rate_mfu_is_of_the_labelled_vendor_peak():
     throughput = metrics.Throughput(ModelConfig(dtype="float32"), fake_mesh("NVIDIA H100"))
     assert throughput.denominator == metrics.PEAK_FLOPS["H100"]["float32"]
-    assert "vendor dense float32 peak" in throughput.label
+    assert "vendor's dense float32 peak" in throughput.label
     cpu = metrics.Throughput(ModelConfig(), fake_mesh("cpu"))
     assert cpu.denominator is None and cpu.step(np.ones((1, 8), np.int32), 1.0)["mfu"] is None

@@ -353,18 +353,8 @@ def _sco_unrolled_bwd(layer_fn, chosen, residuals, d_carry):
 
     # Cotangents of integer leaves are float0 (nothing to compute): only the inexact ones pass
     # through the barriers, and the float0 zeros are put back around each layer's VJP.
-    carry_leaves, carry_def = jax.tree.flatten(boundaries[0])
-    carry_inexact = [i for i, leaf in enumerate(carry_leaves) if _is_inexact(leaf)]
-
-    def full_cotangent(d_inexact):
-        d_leaves = [np.zeros(leaf.shape, jax.dtypes.float0) for leaf in carry_leaves]
-        for i, d in zip(carry_inexact, d_inexact):
-            d_leaves[i] = d
-        return carry_def.unflatten(d_leaves)
-
-    def inexact_part(d_tree):
-        d_leaves = carry_def.flatten_up_to(d_tree)
-        return [d_leaves[i] for i in carry_inexact]
+    carry_leaves = _CarryLeaves(boundaries[0])
+    full_cotangent, inexact_part = carry_leaves.full, carry_leaves.inexact_part
 
     # Each layer's parameter gradients are written in place into the stacked result, and the
     # layer slices its parameters only after the barrier below. Stacking per-layer gradients

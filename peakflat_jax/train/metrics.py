@@ -63,11 +63,12 @@ def mfu_denominator(device, dtype: str) -> tuple[float | None, str]:
     known, else the vendor's dense peak, else (None, why)."""
     measured = measured_matmul_flops(device, dtype)
     if measured is not None:
-        return measured, (f"measured dense {dtype} matmul of {device.device_kind}, "
+        return measured, (f"of the measured dense {dtype} matmul of {device.device_kind}, "
                           f"{measured / 1e12:.0f} TFLOP/s")
     peak = peak_flops(device, dtype)
     if peak is not None:
-        return peak, f"vendor dense {dtype} peak of {device.device_kind}, {peak / 1e12:.1f} TFLOP/s"
+        return peak, (f"of the vendor's dense {dtype} peak of {device.device_kind}, "
+                      f"{peak / 1e12:.1f} TFLOP/s")
     return None, f"no matmul rate known for {device.device_kind}"
 
 

@@ -637,8 +637,8 @@ def format_summary(summary: dict) -> str:
         f"  {fmt(summary['tokens_per_second'], ' tokens/s', digits=0)}, "
         f"{fmt(summary['median_step_seconds'], ' s/step', digits=3)}, "
         f"{fmt(summary['model_tflops_per_device'], ' model TFLOP/s per device')}, "
-        f"MFU {fmt(summary['mfu'] and summary['mfu'] * 100, '%', digits=1)} (of the "
-        f"{summary.get('mfu_denominator', 'n/a')}; attention within documents)",
+        f"MFU {fmt(summary['mfu'] and summary['mfu'] * 100, '%', digits=1)} "
+        f"({summary.get('mfu_denominator', 'n/a')}; attention within documents)",
         f"  peak device memory {fmt(summary['peak_device_bytes'], ' GiB', 2**30)} (XLA's plan "
         f"{fmt(summary['xla_plan_bytes'], ' GiB', 2**30)}), host "
         f"{fmt(summary['host_bytes'], ' GiB', 2**30)}",
