@@ -11,6 +11,7 @@
 #   bash scripts/gpu_checks.sh h200-compile    # nvidia-h200: h200-1's compile cold, from the
 #                                              #   cache, with another step count; 8 and 32
 #                                              #   layers compiled alone; SCO scanned and unrolled
+#   bash scripts/gpu_checks.sh h200-xcheck     # nvidia-h200: h200-1 (2 layers) against PyTorch
 #   bash scripts/gpu_checks.sh h200-sco        # nvidia-h200: SCO, half and all boundaries offloaded
 #   bash scripts/gpu_checks.sh h200-sco-plan   # nvidia-h200: XLA's buffer plan of SCO's step
 #                                              #   (compile only: what the temporaries hold)
@@ -87,6 +88,10 @@ case "${1:-}" in
         --out-dir "$out"
     done
     timeout 480 python3 -m peakflat_jax.cli bench sco --preset gpu --out-dir "$out" ;;
+  h200-xcheck)
+    # Issue 30: h200-1's model (2 layers, 2,048 tokens) against the PyTorch side, on the GPU.
+    timeout 420 python3 -m peakflat_jax.cli xcheck run --record-dir "$out" --config h200-1 \
+      model.num_layers=2 data.seq_len=2048 ;;
   h200-sco)
     # The scan as the same-run baseline, then half and all boundaries offloaded (~2 min a case).
     timeout 560 python3 scripts/bench_sco.py --preset gpu --repeats 2 --only '"offload": 24' \
