@@ -313,6 +313,12 @@ def test_bad_offload_names_the_argument(rng, offload, match):
         pf.sco_scan(layer_fn, h, params, offload=offload)
 
 
+def test_bad_loop_names_the_argument(rng):
+    h, params, _ = draw(rng)
+    with pytest.raises(ValueError, match="loop: expected one of"):
+        pf.sco_scan(layer_fn, h, params, offload=0, loop="python")
+
+
 def test_numpy_offloads_and_zero_layers(rng):
     h, params, cotangent = draw(rng)
     chosen = np.array([True, False, True, False, True])

@@ -241,8 +241,8 @@ def sco_scan(layer_fn: Callable, carry, stacked_params, *, offload, loop: str = 
     Limits: reverse mode only (a custom VJP: ``jax.jvp`` and ``jacfwd`` raise); under
     ``jax.vmap`` a HostBudget counts the bytes of one example's boundary. Inside an enclosing
     ``jax.checkpoint`` the forward runs twice (first pass and replay) and each run copies the
-    boundaries to host: the barriers that order the copies keep XLA from dropping the first
-    run's, which nothing reads.
+    boundaries to host (in the unrolled loop the barriers that order the copies keep XLA from
+    dropping the first run's, which nothing reads).
     """
     if loop not in LOOPS:
         raise ValueError(f"loop: expected one of {LOOPS}, got {loop!r}")
