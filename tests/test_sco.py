@@ -305,7 +305,8 @@ def test_impossible_budget_raises_before_compiling():
 
 @pytest.mark.parametrize("offload, match", [
     (True, "offload"), (LAYERS + 1, "offload"), (-1, "offload"), ([True] * 4, "offload"),
-    ([1, 0, 1, 0, 1], "offload"), (2.0, "offload"),
+    ([1, 0, 1, 0, 1], "offload"), (2.0, "offload"), ([0, LAYERS], "offload"), ("some", "offload"),
+    ([0, True], "offload"),
 ])
 def test_bad_offload_names_the_argument(rng, offload, match):
     h, params, _ = draw(rng)
@@ -322,7 +323,9 @@ def test_bad_loop_names_the_argument(rng):
 def test_numpy_offloads_and_zero_layers(rng):
     h, params, cotangent = draw(rng)
     chosen = np.array([True, False, True, False, True])
-    for offload in (chosen, list(chosen), np.int64(2)):
+    assert sco.offload_plan(None, LAYERS, 1) == (False,) * LAYERS  # the config's forms
+    assert sco.offload_plan("all", LAYERS, 1) == (True,) * LAYERS
+    for offload in (chosen, list(chosen), np.int64(2), [0, 2, 4], np.array([4, 2, 0])):
         value, _ = value_and_grads(lambda h, p: pf.sco_scan(layer_fn, h, p, offload=offload),
                                    h, params, cotangent)
         ref_value, _ = value_and_grads(lambda h, p: checkpointed_scan(layer_fn, h, p), h,
