@@ -2,7 +2,7 @@
 
     peakflat plan CONFIG [section.field=value ...] [--context N] [--devices W]
                   [--device-memory GiB] [--host-memory GiB] [--platform gpu|cpu] [--auto]
-                  [--rate NAME=VALUE ...] [--json]
+                  [--rate NAME=VALUE ...] [--check] [--json]
 
 A config names the machine it is meant for (its ``device`` section: platform, device count,
 memory per device, host memory per device), so that the plan answers for that machine wherever
@@ -50,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", action="append", default=[], metavar="NAME=VALUE",
                         help="override a measured rate (the fields of peakflat_jax.plan.Rates, "
                              "e.g. host_link_bytes=50e9)")
+    parser.add_argument("--check", action="store_true",
+                        help="also compile the trainer's programs on this machine (no step "
+                             "runs) and hold XLA's plan of each to the closed form: exit 1 "
+                             "where it is above")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -99,7 +103,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"peakflat plan: {error}", file=sys.stderr)
         return 2
     print(json.dumps(plan_json(plan), indent=1) if args.json else format_table(plan))
-    return 0 if plan.feasible else 1
+    if not getattr(args, "check", False):
+        return 0 if plan.feasible else 1
+    from peakflat_jax.plan_check import check_plan_against_xla, format_checks
+
+    try:
+        checks = check_plan_against_xla(plan)
+    except (ConfigError, PlanError) as error:
+        print(f"peakflat plan: {error}", file=sys.stderr)
+        return 2
+    print(format_checks(plan, checks))
+    return 0 if plan.feasible and all(check.holds for check in checks) else 1
 
 
 def plan_from_arguments(args: argparse.Namespace):
