@@ -225,3 +225,33 @@ def test_conflicting_fields_are_refused(references, tmp_path):
         config_for(directory, tmp_path, ["model.num_layers=3"])
     with pytest.raises(ConfigError, match=r"^model.router_bias_rate: expected 0"):
         config_for(directory, tmp_path, ["model.router_bias_rate=0.001"])
+
+
+@pytest.mark.slow
+def test_fine_tune_then_export_hf(references, torch_python, tmp_path):
+    """Import, train two steps, ``peakflat export-hf RUN_DIR OUT_DIR``: transformers loads the
+    trained weights, whose logits equal ours of the same checkpoint imported again (and differ
+    from the untrained model's: the steps moved the weights)."""
+    from peakflat_jax import cli
+    from peakflat_jax.train.trainer import Trainer
+
+    directory, untrained = references["mixtral"]
+    config = config_for(directory, tmp_path, ["train.steps=2", "optimizer.warmup_steps=0",
+                                              "optimizer.learning_rate=1e-2"])
+    Trainer(config, run_dir=str(tmp_path / "run")).run(progress=False)
+    assert cli.main(["export-hf", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    run_torch(torch_python, [dict(dir=str(tmp_path / "out"), tokens=str(references["root"] /
+                                                                        "tokens.npy"),
+                                  out=str(tmp_path / "trained.npz"))], tmp_path)
+    theirs = np.load(tmp_path / "trained.npz")
+    ours, loss, _ = forward(config_for(tmp_path / "out", tmp_path), references["tokens"])
+    assert relative(ours, theirs["logits"]) < 1e-5
+    assert abs(loss - float(theirs["loss"])) < 1e-5 * abs(float(theirs["loss"]))
+    assert relative(theirs["logits"], untrained["logits"]) > 1e-3
+
+
+def test_export_hf_refuses_a_directory_without_a_run(tmp_path, capsys):
+    from peakflat_jax import cli
+
+    assert cli.main(["export-hf", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.startswith("peakflat export-hf: RUN_DIR: no config.json")
