@@ -255,3 +255,54 @@ def test_export_hf_refuses_a_directory_without_a_run(tmp_path, capsys):
 
     assert cli.main(["export-hf", str(tmp_path), str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.startswith("peakflat export-hf: RUN_DIR: no config.json")
+
+
+def leaves_of(state) -> dict:
+    return {jax.tree_util.keystr(path): np.asarray(leaf, np.float32)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+
+def test_each_expert_tensor_is_read_once_by_its_device(references, tmp_path, monkeypatch):
+    """The experts split over the 8 devices: each expert's tensor is read by the one shard that
+    holds it, once (a shard's callback reads its own layers and experts only)."""
+    from peakflat_jax.hf import load
+
+    reads: list[str] = []
+    original = load.SafetensorsCheckpoint.tensor
+    monkeypatch.setattr(load.SafetensorsCheckpoint, "tensor",
+                        lambda self, name, shape: reads.append(name) or original(self, name,
+                                                                                 shape))
+    directory, _ = references["mixtral"]
+    load_in(directory, tmp_path)
+    experts = [name for name in reads if ".experts." in name]
+    assert len(experts) == len(set(experts)) == 2 * 8 * 3  # layers x experts x (w1, w3, w2)
+
+
+def test_bfloat16_checkpoint_in_and_out(references, tmp_path):
+    """A bf16 checkpoint (safetensors' numpy side has no bfloat16: read through its header)
+    loads as its values; a bf16 model exports BF16 tensors that load back bit for bit."""
+    import ml_dtypes
+
+    def to_bf16(tensors):
+        for name in tensors:
+            tensors[name] = tensors[name].astype(ml_dtypes.bfloat16)
+
+    directory, _ = references["qwen3_moe"]
+    bf16_dir = edited_copy(references, tmp_path, "qwen3_moe", tensors_edit=to_bf16)
+    _, fp32_state = load_in(directory, tmp_path)
+    _, from_bf16 = load_in(bf16_dir, tmp_path)
+    rounded = {k: v.astype(ml_dtypes.bfloat16).astype(np.float32)
+               for k, v in leaves_of(fp32_state).items()}
+    assert rounded.keys() == leaves_of(from_bf16).keys()
+    for key, value in leaves_of(from_bf16).items():
+        np.testing.assert_array_equal(value, rounded[key], err_msg=key)
+    config = config_for(bf16_dir, tmp_path, ["model.dtype=bfloat16"])
+    _, state = init_model(config.model, mop.make_mesh(config.mesh), seed=0)
+    out = export_pretrained(config.model, state, tmp_path / "bf16_out")
+    with open(out / "model.safetensors", "rb") as file:
+        header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
+    assert {entry["dtype"] for key, entry in header.items() if key != "__metadata__"} == {"BF16"}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    _, again = load_in(out, tmp_path)
+    for key, value in leaves_of(again).items():
+        np.testing.assert_array_equal(value, rounded[key], err_msg=key)

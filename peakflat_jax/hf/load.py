@@ -5,7 +5,10 @@ the same (graphdef, state), each weight made with ``jax.make_array_from_callback
 shardings of ``state_shardings``, so that every device receives only its shard and no device
 (nor the host) ever holds the whole model: a shard's callback reads the checkpoint tensors of
 the layers and experts in its index (safetensors reads one tensor at a time from the file's
-memory map), converts each (``weights.Rule``) and cuts its slice.
+memory map), converts each (``weights.Rule``) and cuts its slice. An expert's tensors are
+read by the one device that holds the expert; an FSDP-sharded weight's tensor is read whole by
+each device, which keeps its slice (host reads grow with the device count, host memory does
+not: reading only the slice through safetensors' ``get_slice`` is left to do).
 
 Every tensor is checked before use: a missing one, or one of the wrong shape, is an error naming
 it; so is a tensor that no weight takes (a bias the model lacks, say), which would otherwise be
