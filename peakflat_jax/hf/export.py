@@ -26,12 +26,48 @@ def _names(path) -> tuple[str, ...]:
     return names[:-1] if names and names[-1] == "value" else names
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
+"""Files of an imported checkpoint that the export copies as they are (the model does not read
+them; a checkpoint without its tokenizer is of little use)."""
+
+
+def _checkpoint_tensors(config: ModelConfig, family: str, leaves: dict):
+    """(name, tensor) of every checkpoint tensor, fetched from the devices one layer of one
+    weight at a time (a stacked leaf whole would be L layers' worth of host memory)."""
+    for rule in rules(config, family):
+        if rule.path not in leaves:
+            raise ConfigError(f"{'.'.join(rule.path)}: missing from the state to export")
+        leaf, offset = leaves[rule.path], layer_offset(config, rule.path)
+        layers = range(leaf.shape[0]) if rule.stacked else [None]
+        for layer in layers:
+            value = np.asarray(jax.device_get(leaf if layer is None else leaf[layer]))
+            if rule.path == ("embedding",):
+                value = value[: config.vocab_size]
+            elif rule.path == ("head",):
+                value = value[:, : config.vocab_size]
+            pieces = enumerate(value) if rule.per_expert else [(None, value)]
+            for expert, weight in pieces:
+                name = rule.name.format(layer=None if layer is None else layer + offset,
+                                        expert=expert)
+                tensor = np.ascontiguousarray(rule.to_hf(weight))
+                if tensor.shape != rule.hf_shape:  # a bug in a Rule
+                    raise ConfigError(f"{name}: exported shape {tensor.shape}, expected "
+                                      f"{rule.hf_shape}")
+                yield name, tensor
+
+
 def export_pretrained(config: ModelConfig, state, directory: str | pathlib.Path,
-                      *, base_config: dict | None = None) -> pathlib.Path:
-    """Writes ``directory``/config.json and model.safetensors of the decoder with ``config``
-    and weights ``state`` (an nnx.State, or the mapping of its params and extras). The
-    config.json starts from ``base_config``, or from ``config.from_pretrained``'s when that
-    is set (its token ids and context length kept). Returns the directory."""
+                      *, base_config: dict | None = None,
+                      max_shard_bytes: int = 5 * 2**30) -> pathlib.Path:
+    """Writes ``directory``/config.json and the safetensors of the decoder with ``config``
+    and weights ``state`` (an nnx.State): one model.safetensors, or, past ``max_shard_bytes``,
+    shards model-0000i-of-0000n.safetensors with transformers' model.safetensors.index.json
+    (the host holds one shard at a time). The config.json starts from ``base_config``, or from
+    ``config.from_pretrained``'s when that is set (its token ids and context length kept), whose
+    tokenizer files are copied too. Returns the directory."""
+    import shutil
+
     from safetensors.numpy import save_file
 
     family = family_of(config)
@@ -44,45 +80,43 @@ def export_pretrained(config: ModelConfig, state, directory: str | pathlib.Path,
         if path[-1] == "router_bias" and np.any(np.asarray(jax.device_get(leaf)) != 0):
             raise ConfigError(f"{'.'.join(path)}: a nonzero router balancing bias, which "
                               f"{family} cannot express (train with model.router_bias_rate=0)")
-    tensors: dict[str, np.ndarray] = {}
-    for rule in rules(config, family):
-        if rule.path not in leaves:
-            raise ConfigError(f"{'.'.join(rule.path)}: missing from the state to export")
-        value = np.asarray(jax.device_get(leaves[rule.path]))
-        if rule.path == ("embedding",):
-            value = value[: config.vocab_size]
-        elif rule.path == ("head",):
-            value = value[:, : config.vocab_size]
-        offset = layer_offset(config, rule.path)
-        if not rule.stacked:
-            tensors[rule.name] = rule.to_hf(value)
-            continue
-        for layer, per_layer in enumerate(value):
-            if not rule.per_expert:
-                tensors[rule.name.format(layer=layer + offset)] = rule.to_hf(per_layer)
-                continue
-            for expert, weight in enumerate(per_layer):
-                tensors[rule.name.format(layer=layer + offset, expert=expert)] = rule.to_hf(
-                    weight)
-    for rule in rules(config, family):  # our shapes, turned, must be the checkpoint's
-        for name in [n for n in tensors if _matches(rule.name, n)]:
-            if tensors[name].shape != rule.hf_shape:  # a bug in a Rule
-                raise ConfigError(f"{name}: exported shape {tensors[name].shape}, expected "
-                                  f"{rule.hf_shape}")
     directory = pathlib.Path(directory)
+    if any(directory.glob("*.safetensors")):
+        raise ConfigError(f"OUT_DIR: {str(directory)!r} already holds safetensors files (expected "
+                          f"a new or empty directory: stale shards would join the checkpoint)")
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
-              str(directory / "model.safetensors"), metadata={"format": "pt"})
+    shards: list[list[str]] = []  # the tensor names of each written shard
+    pending: dict[str, np.ndarray] = {}
+    total = 0
+
+    def flush():
+        save_file(pending, str(directory / f"shard-{len(shards):05d}.tmp"),
+                  metadata={"format": "pt"})
+        shards.append(list(pending))
+        pending.clear()
+
+    for name, tensor in _checkpoint_tensors(config, family, leaves):
+        if pending and sum(t.nbytes for t in pending.values()) + tensor.nbytes > max_shard_bytes:
+            flush()
+        pending[name] = tensor
+        total += tensor.nbytes
+    flush()
+    count = len(shards)
+    files = (["model.safetensors"] if count == 1 else
+             [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
+    for i, file in enumerate(files):
+        (directory / f"shard-{i:05d}.tmp").replace(directory / file)
+    if count > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {n: file for names, file in zip(shards, files) for n in names}}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (directory / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    if config.from_pretrained is not None:
+        source = pathlib.Path(config.from_pretrained)
+        for file in TOKENIZER_FILES:
+            if (source / file).is_file() and source.resolve() != directory.resolve():
+                shutil.copyfile(source / file, directory / file)
     return directory
-
-
-def _matches(template: str, name: str) -> bool:
-    """Whether ``name`` is ``template`` with its ``{layer}`` and ``{expert}`` filled in."""
-    import re
-
-    pattern = re.escape(template).replace(r"\{layer\}", r"\d+").replace(r"\{expert\}", r"\d+")
-    return re.fullmatch(pattern, name) is not None
 
 
 def export_run(run_dir: str | pathlib.Path, directory: str | pathlib.Path) -> pathlib.Path:

@@ -56,6 +56,9 @@ class SafetensorsCheckpoint:
             with safe_open(file, framework="numpy") as handle:
                 for name in handle.keys():
                     view = handle.get_slice(name)
+                    if name in self.files:
+                        raise CheckpointError(f"{name}: in both {self.files[name].name} and "
+                                              f"{file.name}")
                     self.files[name] = file
                     self.shapes[name] = tuple(view.get_shape())
                     self.dtypes[name] = view.get_dtype()
