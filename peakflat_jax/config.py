@@ -364,7 +364,7 @@ def load_config(path_or_name: str | pathlib.Path, overrides: list[str] = ()) -> 
     if config.model.from_pretrained is not None:
         from peakflat_jax.hf.config import resolve_pretrained  # reads the checkpoint's JSON
 
-        config = resolve_pretrained(config)
+        config = resolve_pretrained(config, explicit=set(raw.get("model") or {}))
     return check_config(config)
 
 

@@ -234,6 +234,9 @@ def test_conflicting_fields_are_refused(references, tmp_path):
     directory, _ = references["mixtral"]
     with pytest.raises(ConfigError, match=r"^model.num_layers: 3 differs from 2"):
         config_for(directory, tmp_path, ["model.num_layers=3"])
+    with pytest.raises(ConfigError, match=r"^model.qk_norm: False differs from True"):
+        config_for(references["qwen3_moe"][0], tmp_path, ["model.qk_norm=false"])  # a default
+    assert config_for(directory, tmp_path, ["model.num_layers=2"]).model.num_layers == 2
     with pytest.raises(ConfigError, match=r"^model.router_bias_rate: expected 0"):
         config_for(directory, tmp_path, ["model.router_bias_rate=0.001"])
 

@@ -122,18 +122,20 @@ def model_config_from_hf(hf: dict, base: ModelConfig | None = None) -> ModelConf
     return dataclasses.replace(base, **fields)
 
 
-def resolve_pretrained(config: Config) -> Config:
+def resolve_pretrained(config: Config, explicit: set[str] | None = None) -> Config:
     """``config`` with the architecture of ``model.from_pretrained``'s config.json. A field
-    set to a value that is neither its default nor the checkpoint's is an error naming both
-    (the checkpoint decides the architecture; a stray override would otherwise be dropped
-    silently); so is a router bias that moves (imported routers have none)."""
+    set to another value than the checkpoint's is an error naming both (the checkpoint decides
+    the architecture; a stray override would otherwise be dropped silently): ``explicit``, the
+    model fields the YAML and overrides set (``load_config``), or where unknown, those that
+    differ from their defaults. So is a router bias that moves (imported routers have none)."""
     model = config.model
     hf = read_hf_config(model.from_pretrained)
     resolved = model_config_from_hf(hf, model)
     defaults = ModelConfig()
     for name in ARCHITECTURE_FIELDS:
         ours, theirs = getattr(model, name), getattr(resolved, name)
-        if ours != theirs and ours != getattr(defaults, name):
+        was_set = name in explicit if explicit is not None else ours != getattr(defaults, name)
+        if ours != theirs and was_set:
             raise ConfigError(f"model.{name}: {ours!r} differs from {theirs!r}, the value of "
                               f"model.from_pretrained's config.json (which sets it)")
     if model.router_bias_rate != 0:
