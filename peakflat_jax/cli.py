@@ -7,6 +7,7 @@
                       [--json]
     peakflat bench OPERATOR [--preset cpu|gpu|gpu-x8] [--only TEXT]... [--repeats N]
                       [--trace-steps N] [--out-dir DIR] [--json]
+    peakflat export-hf RUN_DIR OUT_DIR     # a run's latest weights as a Hugging Face checkpoint
     peakflat xcheck export DIR [--config CONFIG] [--dtype float32|bfloat16] [--seed S]
                       [section.field=value ...]
     peakflat xcheck run [--config CONFIG] [--dtype D] [--seed S] [--dir DIR]
@@ -207,6 +208,19 @@ def _xcheck(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_hf(args: argparse.Namespace) -> int:
+    from peakflat_jax.config import ConfigError
+    from peakflat_jax.hf.export import export_run
+
+    try:
+        directory = export_run(args.run_dir, args.out_dir)
+    except ConfigError as error:
+        raise UsageError(f"peakflat export-hf: {error}") from None
+    print(f"wrote {directory}/config.json and model.safetensors (transformers: "
+          f"AutoModelForCausalLM.from_pretrained({str(directory)!r}))", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """``peakflat``'s exit status for ``argv`` (default ``sys.argv[1:]``); bad input is one line
     on stderr and status 2."""
@@ -255,6 +269,10 @@ def make_parser() -> argparse.ArgumentParser:
                             "ring_dtp, sco)")
     bench.add_argument("--out-dir", help="where the JSON record goes (default scripts/results)")
     bench.add_argument("--json", action="store_true", help="print the whole record as JSON")
+    export_hf = commands.add_parser("export-hf", help="a run's latest weights as a Hugging "
+                                                      "Face checkpoint (Mixtral, Qwen3-MoE)")
+    export_hf.add_argument("run_dir", help="the directory of a peakflat train run")
+    export_hf.add_argument("out_dir", help="where config.json and model.safetensors go")
     xcheck = commands.add_parser("xcheck", help="cross-check the JAX stack against PyTorch")
     actions = xcheck.add_subparsers(dest="action", required=True)
     export = actions.add_parser("export", help="write inputs, JAX outputs and gradients")
@@ -291,6 +309,8 @@ def _main(argv: list[str]) -> int:
         return plan_cli.run(args)
     if args.command == "xcheck":
         return _xcheck(args)
+    if args.command == "export-hf":
+        return _export_hf(args)
     return _bench(args)
 
 

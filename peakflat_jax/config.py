@@ -74,6 +74,10 @@ class ModelConfig:
     router_score: Literal["softmax", "sigmoid"] = "softmax"
     """Router scores: softmax over experts (gpt-oss, top-k renormalized) or per-expert sigmoid
     (DeepSeek-V3, top-k normalized)."""
+    router_renormalize: bool = True
+    """Whether the top-k gates are renormalized to sum to one (Mixtral, gpt-oss, DeepSeek-V3,
+    Qwen3-MoE with ``norm_topk_prob``); False: a token's gates are its chosen experts' scores as
+    they are (Qwen3-MoE without ``norm_topk_prob``: softmax probabilities over all experts)."""
     router_bias_rate: float = 0.0
     """Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for
     the top-k choice only, moved by this rate against each expert's load error after every
@@ -84,6 +88,10 @@ class ModelConfig:
     """Whether the output head is the embedding table (transposed)."""
     norm_eps: float = 1e-6
     """RMSNorm epsilon."""
+    qk_norm: bool = False
+    """RMSNorm (a learned scale of ``head_dim``, shared by the heads) on every query and key head
+    after its projection and before RoPE (Qwen3's q_norm / k_norm), which keeps the attention
+    logits bounded whatever the projections' growth."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Working dtype of parameters and activations (optimizer state is fp32 either way)."""
     init_std: float = 0.02
@@ -101,6 +109,13 @@ class ModelConfig:
     """Standard deviation of the output head's initialisation (untied); None: 1 / sqrt(H), so
     that the logits of the final RMSNorm's unit-RMS output start with a std of about one (a
     fan-in scaling, MaxText's logits dense)."""
+    from_pretrained: str | None = None
+    """A local Hugging Face checkpoint directory (config.json and *.safetensors) of the
+    Mixtral or Qwen3-MoE family to start from: its config.json sets the architecture fields of
+    this section (``peakflat_jax.hf``; a field set here to another value than the checkpoint's
+    is an error, as is a feature of the checkpoint that the model lacks), and its weights
+    replace the initialisation (``dtype`` and the init fields are this section's). None: a
+    random initialisation."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,7 +332,8 @@ class Config:
 
 def load_config(path_or_name: str | pathlib.Path, overrides: list[str] = ()) -> Config:
     """The config in a YAML file (a path, or the name of a preset in ``configs/``), with
-    ``section.field=value`` overrides applied, checked (``check_config``)."""
+    ``section.field=value`` overrides applied, the architecture of ``model.from_pretrained``
+    read in where set, checked (``check_config``)."""
     path = pathlib.Path(path_or_name)
     if not path.exists() and not path.suffix:
         path = CONFIGS_DIR / f"{path_or_name}.yaml"
@@ -344,7 +360,12 @@ def load_config(path_or_name: str | pathlib.Path, overrides: list[str] = ()) -> 
             if not isinstance(target, dict):
                 raise ConfigError(f"{key}: {section} is not a section")
         target[field] = yaml.safe_load(value) if value else None
-    return check_config(from_dict(raw))
+    config = from_dict(raw)
+    if config.model.from_pretrained is not None:
+        from peakflat_jax.hf.config import resolve_pretrained  # reads the checkpoint's JSON
+
+        config = resolve_pretrained(config, explicit=set(raw.get("model") or {}))
+    return check_config(config)
 
 
 def from_dict(raw: dict) -> Config:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Makes .venv-torch: Python 3.11 with torch (CPU build) and numpy, for the PyTorch side of
-# `peakflat xcheck` (peakflat_jax/xcheck/torch_side.py) where jax's Python has no torch.
+# Makes .venv-torch: Python 3.11 with torch (CPU build), numpy, and transformers and safetensors
+# (pinned), for the PyTorch side of `peakflat xcheck` (peakflat_jax/xcheck/torch_side.py) and
+# the Hugging Face reference models of tests/test_hf.py, where jax's Python has no torch.
 # Idempotent like env.sh: a second run only checks. Prints the venv's python on stdout.
 #
 # torch is pinned to the CPU wheel (2.13.0+cpu, which lies on these machines' disk, found
@@ -11,8 +12,9 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
 
 TORCH_PIN="torch==2.13.0+cpu"
+HF_PINS="transformers==5.23.0 safetensors"
 venv="$repo_root/.venv-torch"
-stamp="$venv/.installed-$(echo "$TORCH_PIN numpy" | sha1sum | cut -c1-12)"
+stamp="$venv/.installed-$(echo "$TORCH_PIN numpy $HF_PINS" | sha1sum | cut -c1-12)"
 
 find_python311() {
   # A bare `python3.11` may be a pyenv shim that fails; look where pyenv keeps it first.
@@ -39,7 +41,7 @@ if [ ! -f "$stamp" ]; then
   log="$venv/pip-install.log"
   # --only-binary: never build anything; the report lists what pip chose before it installs.
   "$venv/bin/pip" install --only-binary=:all: --report "$venv/pip-report.json" \
-    "$TORCH_PIN" numpy >"$log" 2>&1 || { cat "$log" >&2; exit 1; }
+    "$TORCH_PIN" numpy $HF_PINS >"$log" 2>&1 || { cat "$log" >&2; exit 1; }
   if "$venv/bin/python" - "$venv/pip-report.json" <<'EOF'
 import json, sys
 names = [item["metadata"]["name"].lower() for item in json.load(open(sys.argv[1]))["install"]]
@@ -51,6 +53,8 @@ EOF
     exit 1
   fi
   "$venv/bin/python" -c 'import torch, numpy; assert torch.__version__ == "2.13.0+cpu", torch.__version__'
+  "$venv/bin/python" -c 'import transformers, safetensors
+assert transformers.__version__ == "5.23.0", transformers.__version__'
   rm -f "$venv"/.installed-*
   touch "$stamp"
 fi

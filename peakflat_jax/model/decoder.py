@@ -98,6 +98,16 @@ class MoEDecoder(nnx.Module):
         nnx.States, e.g. weights and router bias), instead of this module's stacked ones: a
         step that updates each layer's weights itself lets layer l start before the later
         layers' weights exist. With no valid target the mean is NaN (as torch's)."""
+        config = self.config
+        h, counts = self.final_hidden(batch, run, offload, moe_layers)
+        loss = mean_cross_entropy(h.reshape(-1, config.hidden), self.head_kernel(),
+                                  batch["targets"].reshape(-1), run, config.vocab_size)
+        return loss, counts
+
+    def final_hidden(self, batch: dict, run: Runtime, offload: tuple[bool, ...],
+                     moe_layers: PerLayer | None = None) -> tuple[jax.Array, jax.Array]:
+        """(the final RMSNorm's output [B, T, H], per-layer expert counts [L_moe, E]): the
+        model up to its head (``__call__``'s arguments; ``batch`` needs no targets)."""
         config, mesh = self.config, run.mesh
         table = gathered(mesh, self.embedding[...])
         h = on_tokens(mesh, jnp.take(table, batch["tokens"], axis=0))
@@ -110,11 +120,19 @@ class MoEDecoder(nnx.Module):
             carry = self._run_stack(self.moe_layers, {**carry, "counts": counts}, run,
                                     offload[num_dense:], moe_layers)
             counts = carry["counts"]
-        h = self.final_norm(carry["h"])
-        kernel = self.embedding[...].T if self.head is None else self.head[...]
-        loss = mean_cross_entropy(h.reshape(-1, config.hidden), kernel,
-                                  batch["targets"].reshape(-1), run, config.vocab_size)
-        return loss, counts
+        return self.final_norm(carry["h"]), counts
+
+    def head_kernel(self) -> jax.Array:
+        """The output head [H, V']: its own weight, or the embedding transposed when tied."""
+        return self.embedding[...].T if self.head is None else self.head[...]
+
+    def logits(self, batch: dict, run: Runtime, offload: tuple[bool, ...]) -> jax.Array:
+        """[B, T, V] fp32 logits of the true vocabulary, materialized (for checks against
+        another implementation and for evaluation at small V; training never forms them)."""
+        h, _ = self.final_hidden(batch, run, offload)
+        logits = jnp.einsum("bth,hv->btv", h, gathered(run.mesh, self.head_kernel()),
+                            preferred_element_type=jnp.float32)
+        return logits[..., : self.config.vocab_size]
 
     def _run_stack(self, stack: DecoderLayer, carry: dict, run: Runtime,
                    offload: tuple[bool, ...], per_layer: PerLayer | None = None) -> dict:

@@ -90,7 +90,9 @@ def rope_frequencies(config: ModelConfig) -> jax.Array:
 
 def apply_rope(x: jax.Array, positions: jax.Array, inverse_frequencies: jax.Array) -> jax.Array:
     """Rotates the two halves of each head of ``x [B, T, heads, D]`` by ``positions [B, T]``
-    (the rotate-half convention of Llama and gpt-oss)."""
+    (the rotate-half convention of Llama, gpt-oss, Mixtral and Qwen3: element i pairs with
+    i + D/2 at frequency i, as transformers' ``rotate_half`` with cos/sin of the frequencies
+    concatenated twice)."""
     angles = positions.astype(jnp.float32)[..., None] * inverse_frequencies  # [B, T, D/2]
     cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
     first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -108,6 +110,10 @@ class Attention(nnx.Module):
         self.wk = _normal(rngs, (h, hkv, d), std, dtype)
         self.wv = _normal(rngs, (h, hkv, d), std, dtype)
         self.wo = _normal(rngs, (hq, d, h), std / math.sqrt(2 * config.num_layers), dtype)
+        # Qwen3's per-head norms (``model.qk_norm``); they draw no random numbers, so the
+        # other weights' initialisation is the same with or without them.
+        self.q_norm = RMSNorm(d, config.norm_eps, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.norm_eps, dtype) if config.qk_norm else None
         self.config = config
 
     def __call__(self, x, positions, segment_ids, run: Runtime):
@@ -115,6 +121,8 @@ class Attention(nnx.Module):
         q = on_tokens(mesh, jnp.einsum("bth,hnd->btnd", x, gathered(mesh, self.wq[...])))
         k = on_tokens(mesh, jnp.einsum("bth,hnd->btnd", x, gathered(mesh, self.wk[...])))
         v = on_tokens(mesh, jnp.einsum("bth,hnd->btnd", x, gathered(mesh, self.wv[...])))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         inverse_frequencies = rope_frequencies(self.config)
         q = apply_rope(q, positions, inverse_frequencies)
         k = apply_rope(k, positions, inverse_frequencies)
@@ -146,15 +154,17 @@ def route(scores_logits: jax.Array, bias: jax.Array, config: ModelConfig):
     """Top-k expert ids [.., k] and their gate weights (fp32) from router logits [.., E].
 
     softmax scores: the top-k of softmax(logits) renormalized over the k (gpt-oss); sigmoid
-    scores: the top-k of sigmoid(logits) normalized over the k (DeepSeek-V3). The balancing
-    bias shifts the choice, not the gates. Both are scaled by ``routed_scale``.
+    scores: the top-k of sigmoid(logits) normalized over the k (DeepSeek-V3); either left
+    unnormalized without ``router_renormalize`` (Qwen3-MoE's norm_topk_prob false). The
+    balancing bias shifts the choice, not the gates. Both are scaled by ``routed_scale``.
     """
     logits = scores_logits.astype(jnp.float32)
     scores = jax.nn.softmax(logits, axis=-1) if config.router_score == "softmax" else (
         jax.nn.sigmoid(logits))
     _, expert_ids = jax.lax.top_k(scores + bias.astype(jnp.float32), config.top_k)
     gates = jnp.take_along_axis(scores, expert_ids, axis=-1)
-    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    if config.router_renormalize:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
     return expert_ids.astype(jnp.int32), gates * config.routed_scale
 
 

@@ -73,7 +73,8 @@ def parameter_counts(config: ModelConfig, padded_vocab: int) -> ParameterCounts:
         router_per_layer=h * config.num_experts,
         experts_per_layer=3 * config.num_experts * h * config.expert_ffn,
         shared_expert_per_layer=3 * h * config.shared_expert_ffn,
-        norms=h * (2 * config.num_layers + 1),
+        norms=h * (2 * config.num_layers + 1) + (2 * d * config.num_layers if config.qk_norm
+                                                  else 0),
         num_dense_layers=config.num_dense_layers, num_moe_layers=num_moe)
 
 

@@ -281,12 +281,18 @@ class Attention(nn.Module):
         self.o_proj = linear_from(w["wo"].reshape(-1, w["wo"].shape[-1]))
         self.num_heads, self.num_kv_heads = config["num_heads"], config["num_kv_heads"]
         self.head_dim = config["head_dim"]
+        # model.qk_norm (Qwen3): an RMSNorm on every query and key head before RoPE.
+        qk_norm = config.get("qk_norm", False)
+        self.q_norm = RMSNorm(w["q_norm.scale"], config["norm_eps"]) if qk_norm else None
+        self.k_norm = RMSNorm(w["k_norm.scale"], config["norm_eps"]) if qk_norm else None
 
     def forward(self, x, positions, segment_ids, inverse_frequencies):
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions, inverse_frequencies)
         k = apply_rope(k, positions, inverse_frequencies)
         causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
@@ -299,7 +305,10 @@ class Attention(nn.Module):
 
     def exported_grads(self, prefix: str, config: dict) -> dict:
         h, d = self.q_proj.weight.shape[1], self.head_dim
-        return {f"{prefix}.wq": self.q_proj.weight.grad.T.reshape(h, self.num_heads, d),
+        norms = {} if self.q_norm is None else {
+            f"{prefix}.q_norm.scale": self.q_norm.weight.grad,
+            f"{prefix}.k_norm.scale": self.k_norm.weight.grad}
+        return {**norms, f"{prefix}.wq": self.q_proj.weight.grad.T.reshape(h, self.num_heads, d),
                 f"{prefix}.wk": self.k_proj.weight.grad.T.reshape(h, self.num_kv_heads, d),
                 f"{prefix}.wv": self.v_proj.weight.grad.T.reshape(h, self.num_kv_heads, d),
                 f"{prefix}.wo": self.o_proj.weight.grad.T.reshape(self.num_heads, d, h)}
@@ -321,8 +330,9 @@ class SwiGLU(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router (scores in fp32, the bias on the choice only, top-k gates renormalized, scaled),
-    routed SwiGLU experts looped over, and the shared expert."""
+    """Router (scores in fp32, the bias on the choice only, top-k gates renormalized unless
+    model.router_renormalize is off, scaled), routed SwiGLU experts looped over, and the
+    shared expert."""
 
     def __init__(self, w: dict, config: dict):
         super().__init__()
@@ -346,7 +356,9 @@ class MoE(nn.Module):
         _, expert_ids = torch.topk(scores + self.router_bias.to(math_dtype), config["top_k"],
                                    dim=-1)
         gates = scores.gather(-1, expert_ids)
-        gates = gates / gates.sum(-1, keepdim=True) * config["routed_scale"]
+        if config.get("router_renormalize", True):
+            gates = gates / gates.sum(-1, keepdim=True)
+        gates = gates * config["routed_scale"]
         y = experts_loop(tokens, expert_ids, gates, self.w_gate, self.w_up, self.w_down)
         y = y.view(batch, length, hidden)
         if self.shared is not None:

@@ -1,0 +1,197 @@
+"""A Hugging Face config.json and our ModelConfig, both ways, for the Mixtral and Qwen3-MoE
+families.
+
+``model_config_from_hf`` reads the architecture (widths, heads, experts, RoPE, norms, tying) into
+ModelConfig's fields and refuses, with one line naming the HF field, whatever the decoder cannot
+compute as transformers does (a RoPE scaling other than linear, attention biases, a sliding
+window, a non-SwiGLU activation, dense layers anywhere but first). Fields that only shape
+training in transformers (dropout, router jitter, the auxiliary loss's coefficient, cache
+flags) are ignored: a fine-tune here has none of them. ``hf_config_from_model`` writes the
+config.json of a family back, over the checkpoint's own when there is one (keeping its token
+ids, context length and the like).
+
+The families, in transformers' code (5.x): both are pre-norm decoders with RMSNorm, GQA
+attention with rotate-half RoPE and SwiGLU experts routed by the top-k of a softmax over all
+experts; Mixtral renormalizes the k gates, Qwen3-MoE does when ``norm_topk_prob``, adds an
+RMSNorm on each query and key head, and may make some layers dense (``mlp_only_layers``,
+``decoder_sparse_step``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+from peakflat_jax.config import Config, ConfigError, ModelConfig
+
+FAMILIES = ("mixtral", "qwen3_moe")
+"""The ``model_type`` values that can be imported and exported."""
+
+ARCHITECTURE_FIELDS = (
+    "vocab_size", "hidden", "num_layers", "num_dense_layers", "dense_ffn", "num_heads",
+    "num_kv_heads", "head_dim", "rope_theta", "rope_scaling", "rope_scaling_factor",
+    "num_experts", "top_k", "expert_ffn", "shared_expert_ffn", "router_score",
+    "router_renormalize", "routed_scale", "tie_embeddings", "norm_eps", "qk_norm",
+)
+"""The ModelConfig fields a checkpoint's config.json decides."""
+
+
+def read_hf_config(directory: str | pathlib.Path) -> dict[str, Any]:
+    """The parsed config.json of a checkpoint directory."""
+    path = pathlib.Path(directory) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"model.from_pretrained: no config.json in {str(directory)!r}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"model.from_pretrained: {path} is not valid JSON: {error}") from None
+
+
+def _refuse(field: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(f"config.json {field}: {value!r} is not supported ({why})")
+
+
+def _rope(hf: dict) -> tuple[float, str, float]:
+    """(theta, our rope_scaling, factor) from ``rope_parameters`` (transformers 5) or the older
+    ``rope_theta`` + ``rope_scaling``."""
+    params = hf.get("rope_parameters")
+    field = "rope_parameters"
+    if params is None:
+        params = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
+        field = "rope_scaling"
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if kind == "default":
+        return theta, "none", 1.0
+    if kind == "linear":
+        return theta, "linear", float(params["factor"])
+    raise _refuse(f"{field}.rope_type", kind, "the model's RoPE takes default or linear")
+
+
+def _num_dense_layers(hf: dict, num_layers: int) -> int:
+    """Qwen3-MoE's dense layers, which the decoder must have first and contiguous."""
+    only = sorted(hf.get("mlp_only_layers") or [])
+    step = int(hf.get("decoder_sparse_step", 1) or 1)
+    dense = [i for i in range(num_layers) if i in only or (i + 1) % step]
+    if dense != list(range(len(dense))):
+        raise _refuse("mlp_only_layers", only, f"dense layers {dense} with decoder_sparse_step "
+                      f"{step}: the model's dense layers are the first ones")
+    return len(dense)
+
+
+def model_config_from_hf(hf: dict, base: ModelConfig | None = None) -> ModelConfig:
+    """``base`` (default: ModelConfig()) with its architecture fields set from a parsed
+    config.json (module doc); ConfigError naming the config.json field the model cannot
+    follow."""
+    base = ModelConfig() if base is None else base
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise _refuse("model_type", family, f"expected one of {list(FAMILIES)}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise _refuse("hidden_act", hf["hidden_act"], "the FFNs are SwiGLU (silu)")
+    if hf.get("attention_bias"):
+        raise _refuse("attention_bias", True, "the attention projections have no bias")
+    window = hf.get("sliding_window")
+    if window is not None and (family == "mixtral" or hf.get("use_sliding_window")):
+        raise _refuse("sliding_window", window, "attention is causal over whole documents")
+    heads = int(hf["num_attention_heads"])
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    theta, scaling, factor = _rope(hf)
+    num_layers = int(hf["num_hidden_layers"])
+    if family == "mixtral":
+        experts = hf.get("num_local_experts", hf.get("num_experts"))
+        expert_ffn, dense, dense_ffn = hf["intermediate_size"], 0, base.dense_ffn
+        renormalize, qk_norm = True, False
+    else:
+        experts = hf.get("num_experts", hf.get("num_local_experts"))
+        expert_ffn, dense_ffn = hf["moe_intermediate_size"], hf["intermediate_size"]
+        dense = _num_dense_layers(hf, num_layers)
+        renormalize, qk_norm = bool(hf.get("norm_topk_prob", False)), True
+    fields = dict(
+        vocab_size=int(hf["vocab_size"]), hidden=int(hf["hidden_size"]), num_layers=num_layers,
+        num_dense_layers=dense, dense_ffn=int(dense_ffn), num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads), head_dim=int(head_dim),
+        rope_theta=theta, rope_scaling=scaling, rope_scaling_factor=factor,
+        num_experts=int(experts), top_k=int(hf["num_experts_per_tok"]),
+        expert_ffn=int(expert_ffn), shared_expert_ffn=0, router_score="softmax",
+        router_renormalize=renormalize, routed_scale=1.0,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qk_norm=qk_norm)
+    return dataclasses.replace(base, **fields)
+
+
+def resolve_pretrained(config: Config, explicit: set[str] | None = None) -> Config:
+    """``config`` with the architecture of ``model.from_pretrained``'s config.json. A field
+    set to another value than the checkpoint's is an error naming both (the checkpoint decides
+    the architecture; a stray override would otherwise be dropped silently): ``explicit``, the
+    model fields the YAML and overrides set (``load_config``), or where unknown, those that
+    differ from their defaults. So is a router bias that moves (imported routers have none)."""
+    model = config.model
+    hf = read_hf_config(model.from_pretrained)
+    resolved = model_config_from_hf(hf, model)
+    defaults = ModelConfig()
+    for name in ARCHITECTURE_FIELDS:
+        ours, theirs = getattr(model, name), getattr(resolved, name)
+        was_set = name in explicit if explicit is not None else ours != getattr(defaults, name)
+        if ours != theirs and was_set:
+            raise ConfigError(f"model.{name}: {ours!r} differs from {theirs!r}, the value of "
+                              f"model.from_pretrained's config.json (which sets it)")
+    if model.router_bias_rate != 0:
+        raise ConfigError(f"model.router_bias_rate: expected 0 with model.from_pretrained (the "
+                          f"checkpoint's router has no balancing bias), got "
+                          f"{model.router_bias_rate}")
+    return dataclasses.replace(config, model=resolved)
+
+
+def family_of(config: ModelConfig) -> str:
+    """The family whose config.json can express ``config``: Qwen3-MoE with q/k norms, Mixtral
+    without; ConfigError naming the field neither can express."""
+    family = "qwen3_moe" if config.qk_norm else "mixtral"
+    unsupported = [("shared_expert_ffn", config.shared_expert_ffn, 0),
+                   ("router_score", config.router_score, "softmax"),
+                   ("routed_scale", config.routed_scale, 1.0)]
+    if config.rope_scaling == "ntk":
+        unsupported.append(("rope_scaling", "ntk", "none or linear"))
+    if family == "mixtral":
+        unsupported += [("num_dense_layers", config.num_dense_layers, 0),
+                        ("router_renormalize", config.router_renormalize, True)]
+    for name, value, expected in unsupported:
+        if value != expected:
+            raise ConfigError(f"model.{name}: {value!r} has no {family} equivalent (expected "
+                              f"{expected!r})")
+    return family
+
+
+def hf_config_from_model(config: ModelConfig, base: dict | None = None) -> dict[str, Any]:
+    """The config.json of ``config``'s family (``family_of``): ``base`` (the imported
+    checkpoint's, when there is one) with the architecture fields replaced."""
+    family = family_of(config)
+    hf = dict(base or {})
+    if hf.get("model_type", family) != family:
+        raise ConfigError(f"model: a {family} model cannot be written over a config.json of "
+                          f"model_type {hf['model_type']!r}")
+    rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
+    if config.rope_scaling == "linear":
+        rope = {**rope, "rope_type": "linear", "factor": config.rope_scaling_factor}
+    for old in ("rope_theta", "rope_scaling"):
+        hf.pop(old, None)
+    hf.update(
+        architectures=["MixtralForCausalLM" if family == "mixtral" else "Qwen3MoeForCausalLM"],
+        model_type=family, vocab_size=config.vocab_size, hidden_size=config.hidden,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, hidden_act="silu",
+        rms_norm_eps=config.norm_eps, rope_parameters=rope,
+        tie_word_embeddings=config.tie_embeddings, num_experts_per_tok=config.top_k,
+        attention_bias=False, sliding_window=None, dtype=config.dtype)
+    if family == "mixtral":
+        hf.update(intermediate_size=config.expert_ffn, num_local_experts=config.num_experts)
+        hf.pop("attention_bias")
+    else:
+        hf.pop("num_local_experts", None)
+        hf.update(moe_intermediate_size=config.expert_ffn, num_experts=config.num_experts,
+                  intermediate_size=config.dense_ffn, norm_topk_prob=config.router_renormalize,
+                  mlp_only_layers=list(range(config.num_dense_layers)), decoder_sparse_step=1,
+                  use_sliding_window=False)
+    return hf

@@ -1,0 +1,160 @@
+"""The decoder's weights out as a Hugging Face checkpoint: config.json + model.safetensors that
+transformers loads as the same family (Mixtral, or Qwen3-MoE for a model with q/k norms;
+``config.family_of``).
+
+Each of our weights is fetched to the host one at a time (a leaf, not the model, on the
+device-to-host path) and cut into the checkpoint's per-layer, per-expert tensors
+(``weights.Rule.to_hf``), the vocab padding dropped. The router's balancing bias has no place in
+either family: a moved bias (``model.router_bias_rate`` > 0) is refused rather than dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import numpy as np
+
+from peakflat_jax.config import ConfigError, ModelConfig
+from peakflat_jax.hf.config import family_of, hf_config_from_model, read_hf_config
+from peakflat_jax.hf.weights import layer_offset, rules
+
+
+def _names(path) -> tuple[str, ...]:
+    names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+    return names[:-1] if names and names[-1] == "value" else names
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
+"""Files of an imported checkpoint that the export copies as they are (the model does not read
+them; a checkpoint without its tokenizer is of little use)."""
+
+
+def _checkpoint_tensors(config: ModelConfig, family: str, leaves: dict):
+    """(name, tensor) of every checkpoint tensor, fetched from the devices one layer of one
+    weight at a time (a stacked leaf whole would be L layers' worth of host memory)."""
+    for rule in rules(config, family):
+        if rule.path not in leaves:
+            raise ConfigError(f"{'.'.join(rule.path)}: missing from the state to export")
+        leaf, offset = leaves[rule.path], layer_offset(config, rule.path)
+        layers = range(leaf.shape[0]) if rule.stacked else [None]
+        for layer in layers:
+            value = np.asarray(jax.device_get(leaf if layer is None else leaf[layer]))
+            if rule.path == ("embedding",):
+                value = value[: config.vocab_size]
+            elif rule.path == ("head",):
+                value = value[:, : config.vocab_size]
+            pieces = enumerate(value) if rule.per_expert else [(None, value)]
+            for expert, weight in pieces:
+                name = rule.name.format(layer=None if layer is None else layer + offset,
+                                        expert=expert)
+                tensor = np.ascontiguousarray(rule.to_hf(weight))
+                if tensor.shape != rule.hf_shape:  # a bug in a Rule
+                    raise ConfigError(f"{name}: exported shape {tensor.shape}, expected "
+                                      f"{rule.hf_shape}")
+                yield name, tensor
+
+
+def export_pretrained(config: ModelConfig, state, directory: str | pathlib.Path,
+                      *, base_config: dict | None = None,
+                      max_shard_bytes: int = 5 * 2**30) -> pathlib.Path:
+    """Writes ``directory``/config.json and the safetensors of the decoder with ``config``
+    and weights ``state`` (an nnx.State): one model.safetensors, or, past ``max_shard_bytes``,
+    shards model-0000i-of-0000n.safetensors with transformers' model.safetensors.index.json
+    (the host holds one shard at a time). The config.json starts from ``base_config``, or from
+    ``config.from_pretrained``'s when that is set (its token ids and context length kept), whose
+    tokenizer files are copied too. Returns the directory."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    family = family_of(config)
+    if base_config is None and config.from_pretrained is not None:
+        base_config = read_hf_config(config.from_pretrained)
+    hf = hf_config_from_model(config, base_config)
+    leaves = {_names(path): leaf for path, leaf in
+              jax.tree_util.tree_flatten_with_path(state)[0]}
+    for path, leaf in leaves.items():
+        if path[-1] == "router_bias" and np.any(np.asarray(jax.device_get(leaf)) != 0):
+            raise ConfigError(f"{'.'.join(path)}: a nonzero router balancing bias, which "
+                              f"{family} cannot express (train with model.router_bias_rate=0)")
+    directory = pathlib.Path(directory)
+    if any(directory.glob("*.safetensors")):
+        raise ConfigError(f"OUT_DIR: {str(directory)!r} already holds safetensors files (expected "
+                          f"a new or empty directory: stale shards would join the checkpoint)")
+    directory.mkdir(parents=True, exist_ok=True)
+    shards: list[list[str]] = []  # the tensor names of each written shard
+    pending: dict[str, np.ndarray] = {}
+    total = 0
+
+    def flush():
+        save_file(pending, str(directory / f"shard-{len(shards):05d}.tmp"),
+                  metadata={"format": "pt"})
+        shards.append(list(pending))
+        pending.clear()
+
+    for name, tensor in _checkpoint_tensors(config, family, leaves):
+        if pending and sum(t.nbytes for t in pending.values()) + tensor.nbytes > max_shard_bytes:
+            flush()
+        pending[name] = tensor
+        total += tensor.nbytes
+    flush()
+    count = len(shards)
+    files = (["model.safetensors"] if count == 1 else
+             [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
+    for i, file in enumerate(files):
+        (directory / f"shard-{i:05d}.tmp").replace(directory / file)
+    if count > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {n: file for names, file in zip(shards, files) for n in names}}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (directory / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    if config.from_pretrained is not None:
+        source = pathlib.Path(config.from_pretrained)
+        for file in TOKENIZER_FILES:
+            if (source / file).is_file() and source.resolve() != directory.resolve():
+                shutil.copyfile(source / file, directory / file)
+    return directory
+
+
+def export_run(run_dir: str | pathlib.Path, directory: str | pathlib.Path) -> pathlib.Path:
+    """Writes the Hugging Face checkpoint of a ``peakflat train`` run's latest checkpoint (its
+    working weights) to ``directory``; the run's config.json gives the model and the mesh, made
+    over this machine's devices as the run made it (so the vocab padding matches)."""
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from peakflat_jax import mesh as mop
+    from peakflat_jax.config import from_dict
+    from peakflat_jax.model.decoder import MoEDecoder
+    from peakflat_jax.model.sharding import state_shardings
+    from peakflat_jax.train.checkpoint import latest_step
+
+    run_dir = pathlib.Path(run_dir)
+    if not (run_dir / "config.json").is_file():
+        raise ConfigError(f"RUN_DIR: no config.json in {str(run_dir)!r} (expected the directory "
+                          f"of a peakflat train run)")
+    config = from_dict(json.loads((run_dir / "config.json").read_text()))
+    step = latest_step(run_dir / "checkpoints")
+    if step is None:
+        raise ConfigError(f"RUN_DIR: no complete checkpoint under {run_dir / 'checkpoints'}")
+    mesh = mop.make_mesh(config.mesh)
+    padded = mop.padded_vocab(config.model.vocab_size, mop.num_devices(mesh))
+    graphdef, abstract = nnx.split(nnx.eval_shape(
+        lambda: MoEDecoder(config.model, padded_vocab=padded, rngs=nnx.Rngs(0))))
+    shardings = state_shardings(abstract, mesh)
+    abstract = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(
+        leaf.shape, leaf.dtype, sharding=sharding), abstract, shardings)
+    params, extras = nnx.split_state(abstract, nnx.Param, ...)
+    items = {"params": ocp.args.StandardRestore(params)}
+    if jax.tree.leaves(extras):
+        items["extras"] = ocp.args.StandardRestore(extras)
+    manager = ocp.CheckpointManager((run_dir / "checkpoints").absolute())
+    try:
+        restored = manager.restore(step, args=ocp.args.Composite(**items))
+    finally:
+        manager.close()
+    model = nnx.merge(graphdef, restored["params"], restored.get("extras", extras))
+    return export_pretrained(config.model, nnx.state(model), directory)
