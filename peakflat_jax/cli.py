@@ -250,7 +250,7 @@ def make_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-dir", help="where metrics and checkpoints go (default: "
                                          "train.run_dir of the config)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    from peakflat_jax import plan_cli
+    from peakflat_jax.plan import cli as plan_cli
 
     plan = commands.add_parser("plan", help="the per-device memory of a config, term by term, "
                                             "before launch (and --auto: the knobs chosen)")
@@ -298,7 +298,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def _main(argv: list[str]) -> int:
-    from peakflat_jax import plan_cli
+    from peakflat_jax.plan import cli as plan_cli
 
     args = parse_arguments(make_parser(), argv)
     args.argv = argv

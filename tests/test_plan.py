@@ -17,7 +17,6 @@ import pytest
 
 from peakflat_jax import mesh as mop
 from peakflat_jax import plan as pl
-from peakflat_jax import plan_cli
 from peakflat_jax.config import ConfigError, load_config
 from peakflat_jax.memory import compiled_memory
 from peakflat_jax.model.sharding import init_model
@@ -26,6 +25,7 @@ from peakflat_jax.ops import pipelined_moe as moe_module
 from peakflat_jax.ops import ring_cross_entropy as ring_module
 from peakflat_jax.ops import sco as sco_module
 from peakflat_jax.optim import offload_adamw, on_device_adamw
+from peakflat_jax.plan import cli as plan_cli
 from tests.test_train import ALL_OFF, SMALL
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "results"
@@ -351,7 +351,7 @@ def test_auto_finds_a_longer_context_and_its_knobs_fit():
     more = dataclasses.replace(at.knobs, batch_size=at.knobs.batch_size + at.knobs.data)
     lightest = pl._lightest(config.replace(mesh={"data": at.knobs.data, "seq": at.knobs.seq}),
                             more, True)
-    assert not pl._fits(config, lightest, "gpu", memory, host)
+    assert not pl.fits_in_memory(config, lightest, "gpu", memory, host)
 
 
 def test_chosen_knobs_keep_the_optimizer_on_the_device_when_it_fits():

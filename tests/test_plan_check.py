@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 
 from peakflat_jax import plan as planner
-from peakflat_jax import plan_cli
 from peakflat_jax.config import load_config
-from peakflat_jax.plan_check import check_plan_against_xla, format_checks
+from peakflat_jax.plan import cli as plan_cli
+from peakflat_jax.plan.check import check_plan_against_xla, format_checks
 
 SMALL = ["model.num_layers=2", "data.seq_len=64", "train.steps=2"]
 

@@ -58,14 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _rate_names() -> list[str]:
-    from peakflat_jax.plan import Rates
+    from peakflat_jax.plan.rates import Rates
 
     return [f.name for f in dataclasses.fields(Rates)]
 
 
 def parse_rates(pairs: list[str]):
-    """``peakflat_jax.plan.Rates`` with the ``NAME=VALUE`` overrides applied."""
-    from peakflat_jax.plan import PlanError, Rates
+    """``peakflat_jax.plan.rates.Rates`` with the ``NAME=VALUE`` overrides applied."""
+    from peakflat_jax.plan.errors import PlanError
+    from peakflat_jax.plan.rates import Rates
 
     values = {}
     for pair in pairs:
@@ -84,7 +85,7 @@ def parse_rates(pairs: list[str]):
 
 
 def _gib_argument(name: str, value: float | None) -> int | None:
-    from peakflat_jax.plan import GIB, PlanError
+    from peakflat_jax.plan.errors import GIB, PlanError
 
     if value is None:
         return None
@@ -95,7 +96,8 @@ def _gib_argument(name: str, value: float | None) -> int | None:
 
 def run(args: argparse.Namespace) -> int:
     """Prints the plan; exit status 0 when it fits, 1 when it does not, 2 on bad input."""
-    from peakflat_jax.plan import PlanError, plan_json
+    from peakflat_jax.plan.errors import PlanError
+    from peakflat_jax.plan.report import format_table, plan_json
 
     try:
         plan = plan_from_arguments(args)
@@ -105,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(plan_json(plan), indent=1) if args.json else format_table(plan))
     if not getattr(args, "check", False):
         return 0 if plan.feasible else 1
-    from peakflat_jax.plan_check import check_plan_against_xla, format_checks
+    from peakflat_jax.plan.check import check_plan_against_xla, format_checks
 
     try:
         checks = check_plan_against_xla(plan)
@@ -121,8 +123,8 @@ def plan_from_arguments(args: argparse.Namespace):
     with the flags over it."""
     import jax
 
-    from peakflat_jax import plan as planner
-    from peakflat_jax.plan import GIB, PlanError
+    from peakflat_jax.plan import machine, search
+    from peakflat_jax.plan.errors import GIB, PlanError
 
     config = load_config(args.config, args.overrides)
     target = config.device
@@ -146,19 +148,19 @@ def plan_from_arguments(args: argparse.Namespace):
     if devices is None:
         devices = len(jax.devices())
     if host_memory is None:
-        host_memory = planner.read_host_memory()
+        host_memory = machine.read_host_memory()
     if device_memory is None:
         local = jax.devices()[0].platform
         local = "gpu" if local in ("gpu", "cuda", "rocm") else "cpu"
         if platform == "cpu":
-            device_memory = planner.cpu_device_memory(host_memory)
+            device_memory = machine.cpu_device_memory(host_memory)
         elif local == "gpu":
-            device_memory = planner.read_device_memory()
+            device_memory = machine.read_device_memory()
         if device_memory is None:
             raise PlanError(f"--device-memory: {config.name}'s device.memory_gib is null and "
                             f"this machine has no {platform} device to read it from; give it in "
                             f"GiB per device")
-    return planner.make_plan(config, devices, context=args.context,
+    return search.make_plan(config, devices, context=args.context,
                              device_memory=device_memory, host_memory=host_memory,
                              platform=platform, auto=args.auto, rates=parse_rates(args.rate))
 
@@ -176,79 +178,6 @@ def main(argv: list[str] | None = None) -> int:
         print(error, file=sys.stderr)
         return 2
     return run(args)
-
-
-# ----------------------------------------------------------------------------------------------
-# The table.
-
-
-def format_table(plan) -> str:
-    """The terms of a ``peakflat_jax.plan.Plan`` (operators on, baseline), the programs'
-    totals, feasibility and why, the knobs chosen and the largest context; in GiB, or MiB for a
-    plan under 1 GiB."""
-    from peakflat_jax.plan import GIB, LIVE_SETS, PHASES, attention_fraction
-
-    unit, scale = ("GiB", GIB) if plan.total_bytes >= GIB else ("MiB", 2**20)
-
-    def _gib(value: int | None) -> str:
-        return "" if value is None else f"{value / scale:,.3f}"
-
-    knobs = plan.knobs
-    base = plan.baseline
-    lines = [
-        f"peakflat plan {plan.config.name}: {knobs.num_devices} {plan.platform} devices (data "
-        f"{knobs.data} x seq {knobs.seq}), context {knobs.context:,} x batch "
-        f"{knobs.batch_size} = N {knobs.tokens_per_device:,} tokens per device",
-        f"memory per device: device {_gib(plan.device_memory) or 'unknown'} {unit}, host "
-        f"{_gib(plan.host_memory) or 'unknown'} {unit}; attention {knobs.attention}",
-        "",
-    ]
-    names = [t.name for t in plan.terms]
-    if base is not None:
-        names += [t.name for t in base.terms if t.name not in names]
-    on = {t.name: t for t in plan.terms}
-    off = {t.name: t for t in base.terms} if base is not None else {}
-    header = f"{'term':34} {'live':15} {'on ' + unit:>12} {'baseline ' + unit:>13}  formula"
-    lines += [header, "-" * len(header)]
-    order = {live: i for i, live in enumerate(LIVE_SETS)}
-    names.sort(key=lambda name: order[(on.get(name) or off.get(name)).live])
-    for name in names:
-        term = on.get(name) or off.get(name)
-        lines.append(f"{name:34} {term.live:15} {_gib(on[name].bytes) if name in on else '-':>12}"
-                     f" {_gib(off[name].bytes) if name in off else '-':>13}  {term.formula}")
-    lines.append("")
-    lines.append("peak = persistent + boundaries + backward + the largest phase (phases never "
-                 "overlap); the offloaded optimizer's step is its own program")
-    for label, p in (("operators on", plan), ("baseline", base)):
-        if p is None:
-            continue
-        phases = ", ".join(f"{phase} {_gib(p.phases[phase])}" for phase in PHASES
-                           if p.phases[phase])
-        programs = ", ".join(f"{name} {_gib(value)}" for name, value in p.programs.items())
-        verdict = {True: "fits", False: "does NOT fit", None: "unknown (device memory)"}[
-            p.feasible]
-        lines.append(f"{label:13} total {_gib(p.total_bytes)} {unit} (programs: {programs}; "
-                     f"phases: {phases}; peak phase {p.peak_phase}); host "
-                     f"{_gib(p.host_bytes)} {unit}: {verdict}")
-        for reason in p.reasons():
-            lines.append(f"{'':13} {reason}")
-    if plan.choices:
-        lines.append("")
-        lines.append("knobs chosen:")
-        for choice in plan.choices:
-            lines.append(f"  {choice.key} = {choice.value}: {choice.why}")
-    if plan.step_seconds is not None:
-        fraction = attention_fraction(plan.config, knobs.context)
-        lines.append(f"estimated step: {plan.step_seconds:.3f} s (Rates: measured rates, "
-                     f"docs/plan.md; attention within documents, {fraction:.1%} of full causal "
-                     f"at {knobs.context:,} tokens, from the config's data)")
-    if plan.device_memory is not None:
-        for label, p in (("operators on", plan), ("baseline", base)):
-            if p is not None:
-                found = "none" if p.largest_context is None else f"{p.largest_context:,} tokens"
-                lines.append(f"largest context that fits, {label} (batch {knobs.batch_size}): "
-                             f"{found}")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

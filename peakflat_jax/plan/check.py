@@ -53,7 +53,7 @@ def check_plan_against_xla(plan) -> list[ProgramCheck]:
     """Compiles the trainer's programs for ``plan``'s config on this machine and holds each to
     the plan's program of the same role. Raises PlanError where the plan is for another
     machine (platform or device count)."""
-    from peakflat_jax.plan import PlanError
+    from peakflat_jax.plan.errors import PlanError
     from peakflat_jax.train.trainer import Trainer
 
     local = jax.devices()[0].platform
@@ -91,7 +91,7 @@ def check_plan_against_xla(plan) -> list[ProgramCheck]:
 
 def format_checks(plan, checks: list[ProgramCheck]) -> str:
     """The table: each program's closed form beside XLA's plan, persistent and transient."""
-    from peakflat_jax.plan import GIB
+    from peakflat_jax.plan.errors import GIB
 
     by_live: dict[str, int] = {}
     for term in plan.terms:

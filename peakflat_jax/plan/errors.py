@@ -1,0 +1,17 @@
+"""The planner's errors, and ``GIB``."""
+
+from __future__ import annotations
+
+GIB = 2**30
+
+# ----------------------------------------------------------------------------------------------
+# Errors.
+
+
+class PlanError(ValueError):
+    """An argument the planner cannot plan for, named in the message."""
+
+
+class DoesNotFit(RuntimeError):
+    """A configuration whose step needs more device or host memory than there is; the message
+    holds the table of terms and what to change."""

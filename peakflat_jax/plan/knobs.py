@@ -1,0 +1,255 @@
+"""The knobs: from the config, nulls filled, or all chosen (``--auto``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+from peakflat_jax import mesh as mop
+from peakflat_jax.config import Config, ConfigError, offload_count
+from peakflat_jax.model.attention import choose_implementation
+from peakflat_jax.ops.sco import HostBudget
+from peakflat_jax.plan.errors import PlanError
+from peakflat_jax.plan.programs import Choice, fits_in_memory
+from peakflat_jax.plan.rates import Rates, step_seconds
+from peakflat_jax.plan.terms import MOST_CHUNKS, SMALLEST_VOCAB_BLOCK, Knobs
+
+# ----------------------------------------------------------------------------------------------
+# The knobs: from the config, nulls filled, or all chosen (--auto).
+
+
+def knobs_from_config(config: Config, num_devices: int, *, context: int | None = None,
+                      batch_size: int | None = None, platform: str = "gpu") -> Knobs:
+    """The config's knobs on ``num_devices`` devices (nulls not yet filled); raises PlanError
+    or ConfigError naming what does not divide."""
+    ops, model = config.operators, config.model
+    num_devices = _positive("devices", num_devices)
+    context = _positive("context", config.data.seq_len if context is None else context)
+    batch_size = _positive("batch_size", config.data.batch_size if batch_size is None
+                           else batch_size)
+    data, seq = mop.mesh_shape(config.mesh, num_devices)
+    _check_divides(config, data, seq, context, batch_size)
+    try:
+        attention = choose_implementation(ops.attention, platform, model.dtype)
+    except ValueError as error:
+        raise ConfigError(f"operators.attention: {error}") from None
+    knobs = Knobs(data=data, seq=seq, batch_size=batch_size, context=context,
+                  moe_dispatch=ops.moe_dispatch, token_budget=ops.token_budget,
+                  max_chunks=ops.max_chunks, loss=ops.loss, loss_mode=ops.loss_mode,
+                  vocab_block=ops.vocab_block, offload=(False,) * model.num_layers,
+                  optimizer_offload=ops.optimizer_offload,
+                  optimizer_overlap=(ops.optimizer_offload and ops.optimizer_overlap
+                                     and model.num_layers > model.num_dense_layers),
+                  bucket_params=config.optimizer.bucket_params, slots=config.optimizer.slots,
+                  attention=attention)
+    return dataclasses.replace(knobs, offload=offload_flags(config, knobs.tokens_per_device))
+
+
+def offload_flags(config: Config, tokens_per_device: int) -> tuple[bool, ...]:
+    """``operators.offload`` as L bools: a host budget (GiB per device) takes as many leading
+    boundaries as it holds, N * H * b each."""
+    chosen = offload_count(config)
+    layers = config.model.num_layers
+    if isinstance(chosen, HostBudget):
+        boundary = tokens_per_device * config.model.hidden * jnp.dtype(
+            config.model.dtype).itemsize
+        count = min(layers, chosen.bytes // boundary)
+        return tuple(i < count for i in range(layers))
+    if isinstance(chosen, tuple):
+        return chosen
+    return tuple(i < chosen for i in range(layers))
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"{name}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _check_divides(config: Config, data: int, seq: int, context: int, batch_size: int):
+    model, width = config.model, data * seq
+    if batch_size % data:
+        raise PlanError(f"batch size: {batch_size} sequences do not split over mesh.data = "
+                        f"{data}")
+    if context % seq:
+        raise PlanError(f"context: {context} tokens do not split over mesh.seq = {seq} "
+                        f"(each device holds context / seq tokens of a sequence)")
+    if model.num_heads % seq:
+        raise PlanError(f"model.num_heads: {model.num_heads} heads do not split over mesh.seq "
+                        f"= {seq} (Ulysses attention gives each device num_heads / seq heads)")
+    if model.num_experts % width:
+        raise PlanError(f"model.num_experts: {model.num_experts} experts do not split over the "
+                        f"{width} devices (expert parallelism over all of them)")
+
+
+def choose_knobs(config: Config, knobs: Knobs, platform: str, device_memory: int | None,
+                 host_memory: int | None, *, auto: bool,
+                 rates: Rates = Rates()) -> tuple[Knobs, list[Choice]]:
+    """The knobs with nulls (every knob, with ``auto``) chosen: the fastest estimated setting
+    that fits; with the device's memory unknown, the lightest setting the config allows."""
+    ops, model = config.operators, config.model
+    choices: list[Choice] = []
+    n = knobs.tokens_per_device
+    pipelined = knobs.moe_dispatch == "pipelined" and model.num_layers > model.num_dense_layers
+    ring = knobs.loss == "ring"
+    choose_budget = pipelined and (auto or ops.token_budget is None)
+    choose_block = ring and (auto or ops.vocab_block is None)
+    chunk_options = chunk_choices(n, knobs.max_chunks, auto) if choose_budget else [None]
+    block_options = block_choices(config, knobs) if choose_block else [knobs.vocab_block]
+    offload_options = (list(range(model.num_layers + 1)) if auto else [knobs.num_offloaded])
+    has_moe = model.num_layers > model.num_dense_layers
+    optimizer_options = ([(False, False), (True, False)] + ([(True, True)] if has_moe else [])
+                         if auto else [(knobs.optimizer_offload, knobs.optimizer_overlap)])
+
+    def with_chunks(k: Knobs, chunks):
+        if chunks is None:
+            return k
+        return dataclasses.replace(k, token_budget=-(-n // chunks),
+                                   max_chunks=max(chunks, k.max_chunks if not auto else chunks))
+
+    def with_offload(k: Knobs, count):
+        if not auto:
+            return k
+        return dataclasses.replace(k, offload=tuple(i < count for i in range(model.num_layers)))
+
+    def buckets_for(k: Knobs) -> list[Knobs]:
+        """With auto and the optimizer offloaded: the measured fastest bucket, then halves of
+        it down to 1e6 parameters, two slots each; else the config's."""
+        if not (auto and k.optimizer_offload):
+            return [k]
+        bucket, options = rates.optimizer_bucket_params, []
+        while True:
+            options.append(dataclasses.replace(k, bucket_params=bucket, slots=2))
+            if bucket <= 1_000_000:
+                return options
+            bucket //= 2
+
+    def bucket_for(k: Knobs) -> Knobs:
+        return buckets_for(k)[-1 if device_memory is None else 0]
+
+    if device_memory is None:  # nothing to fit: the lightest setting allowed
+        lightest = with_offload(knobs, model.num_layers if auto else None)
+        lightest = with_chunks(lightest, chunk_options[-1])
+        lightest = dataclasses.replace(lightest, vocab_block=block_options[-1])
+        if auto:
+            lightest = bucket_for(dataclasses.replace(lightest, optimizer_offload=True,
+                                                      optimizer_overlap=False))
+        best = lightest
+        why = "the device's memory is unknown: the tightest bound the config allows"
+    else:
+        best, best_time = None, math.inf
+        for offloaded, overlap in optimizer_options:
+            for count in offload_options:
+                candidate = None
+                for base in buckets_for(with_offload(dataclasses.replace(
+                        knobs, optimizer_offload=offloaded, optimizer_overlap=overlap), count)):
+                    candidate = _lightest_fitting(config, base, platform, device_memory,
+                                                  host_memory, chunk_options, block_options,
+                                                  with_chunks)
+                    if candidate is not None:  # the largest bucket that fits
+                        break
+                if candidate is None:
+                    continue
+                seconds = step_seconds(config, candidate, rates)
+                if seconds < best_time - 1e-12:
+                    best, best_time = candidate, seconds
+        why = ("the fastest estimated setting that fits" if auto else
+               "the fewest chunks, then the largest block, that fit")
+        if best is None:  # nothing fits: report the lightest setting, infeasible
+            best = with_chunks(with_offload(knobs, model.num_layers if auto else None),
+                               chunk_options[-1])
+            best = dataclasses.replace(best, vocab_block=block_options[-1])
+            if auto:
+                best = bucket_for(dataclasses.replace(best, optimizer_offload=True,
+                                                      optimizer_overlap=False))
+            why = "nothing fits: the lightest setting"
+    if choose_budget:
+        chunks = -(-n // best.token_budget)
+        choices.append(Choice("operators.token_budget", best.token_budget,
+                              f"{chunks} chunk(s) of N = {n:,} tokens: {why} (each chunk more "
+                              f"costs about {rates.moe_chunk_seconds * 1e3:.1f} ms per MoE "
+                              f"layer)"))
+        if auto:
+            choices.append(Choice("operators.max_chunks", best.max_chunks, "= the chunks"))
+    if choose_block:
+        choices.append(Choice("operators.vocab_block", best.vocab_block,
+                              f"{why} (None: the whole shard of {_shard_width(config, knobs):,}"
+                              f" columns; the largest block that fits is taken)"))
+    if auto:
+        choices.append(Choice("operators.offload", Knobs.as_config(best)["operators.offload"],
+                              f"{best.num_offloaded} of {model.num_layers} boundaries; {why} "
+                              f"(a copy hides under the layer's compute when the link allows)"))
+        choices.append(Choice("operators.optimizer_offload", best.optimizer_offload,
+                              f"{why} (on the device costs 12 bytes/param of device memory; "
+                              f"offloaded costs the link: "
+                              f"{rates.optimizer_seconds_per_param * 1e9:.2f} s per 1e9 params)"))
+        if best.optimizer_offload and has_moe:
+            choices.append(Choice("operators.optimizer_overlap", best.optimizer_overlap,
+                                  f"{why} (overlapped, the stream hides under the forward and "
+                                  f"the step holds the staging and a second copy of the MoE "
+                                  f"layers' weights)"))
+        if best.optimizer_offload:
+            choices.append(Choice("optimizer.bucket_params", best.bucket_params,
+                                  "the fastest measured bucket size, halved until the step "
+                                  "fits"))
+            choices.append(Choice("optimizer.slots", best.slots,
+                                  "two: the measured sweep gained nothing from a third"))
+    return best, choices
+
+
+def _lightest_fitting(config, base: Knobs, platform, device_memory, host_memory, chunk_options,
+                      block_options, with_chunks) -> Knobs | None:
+    """The setting with the fewest chunks and then the largest vocab block that fits (memory
+    falls as chunks rise and blocks shrink), or None."""
+    def fits(k):
+        return fits_in_memory(config, k, platform, device_memory, host_memory)
+
+    lightest_block = dataclasses.replace(base, vocab_block=block_options[-1])
+    chunks = _first_true(chunk_options, lambda c: fits(with_chunks(lightest_block, c)))
+    if chunks is None:
+        return None
+    with_c = with_chunks(base, chunk_options[chunks])
+    block = _first_true(block_options, lambda b: fits(dataclasses.replace(with_c,
+                                                                          vocab_block=b)))
+    return dataclasses.replace(with_c, vocab_block=block_options[block])
+
+
+def _first_true(options: list, predicate) -> int | None:
+    """The first index whose predicate holds, for a predicate monotone over the options."""
+    if not options or not predicate(options[-1]):
+        return None
+    low, high = 0, len(options) - 1
+    while low < high:
+        middle = (low + high) // 2
+        if predicate(options[middle]):
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+def chunk_choices(tokens: int, max_chunks: int, auto: bool) -> list[int]:
+    """Effective chunk counts to try, fewest first: up to max_chunks (the config's), or with
+    auto up to MOST_CHUNKS (never more than the tokens)."""
+    most = min(tokens, max_chunks if not auto else max(MOST_CHUNKS, max_chunks))
+    counts = sorted({-(-tokens // -(-tokens // k)) for k in range(1, most + 1)})
+    return counts
+
+
+def _shard_width(config: Config, knobs: Knobs) -> int:
+    return mop.padded_vocab(config.model.vocab_size, knobs.num_devices) // knobs.num_devices
+
+
+def block_choices(config: Config, knobs: Knobs) -> list[int | None]:
+    """Vocab blocks to try, largest first: the whole shard, then powers of two down to
+    SMALLEST_VOCAB_BLOCK."""
+    width = _shard_width(config, knobs)
+    options: list[int | None] = [None]
+    block = 1 << (width - 1).bit_length() - 1
+    while block >= SMALLEST_VOCAB_BLOCK:
+        if block < width:
+            options.append(block)
+        block //= 2
+    return options

@@ -1,0 +1,178 @@
+"""Composing the terms: each program's bytes at its peak, the phases, and a ``Plan``
+(feasibility and what to change)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from peakflat_jax.config import Config
+from peakflat_jax.plan.errors import GIB
+from peakflat_jax.plan.terms import PHASES, Knobs, Term, phase_total, plan_terms
+
+# ----------------------------------------------------------------------------------------------
+# Composing the terms.
+
+
+def program_bytes(terms: Sequence[Term]) -> dict[str, int]:
+    """The device bytes of each program at its peak: ``gradient`` (or the fused step) =
+    persistent + boundaries + backward + the largest phase; ``overlapped`` (the gradient
+    program's terms and the overlap's, the staging counted beside every phase: an upper bound,
+    as the updates run during the forward); ``optimizer_step`` (when present)."""
+    by_live: dict[str, int] = {}
+    for term in terms:
+        by_live[term.live] = by_live.get(term.live, 0) + term.bytes
+    phases = phase_bytes(terms)
+    programs = {"gradient": by_live.get("persistent", 0) + by_live.get("boundaries", 0)
+                + by_live.get("backward", 0) + max(phases.values())}
+    if "overlap" in by_live:
+        programs["overlapped"] = programs["gradient"] + by_live["overlap"]
+    if "optimizer_step" in by_live:
+        programs["optimizer_step"] = by_live["optimizer_step"]
+    return programs
+
+
+def phase_bytes(terms: Sequence[Term]) -> dict[str, int]:
+    """Each phase's bytes (its sub-phases, ``layer/attention`` and ``layer/ffn``, take
+    turns)."""
+    rows = [(t.name, t.bytes, t.live) for t in terms]
+    return {phase: phase_total(rows, phase) for phase in PHASES}
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """A knob's value and the rule that chose it."""
+
+    key: str
+    value: Any
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The plan of one configuration (module doc): terms, totals, feasibility."""
+
+    config: Config
+    knobs: Knobs
+    platform: str
+    terms: tuple[Term, ...]
+    device_memory: int | None
+    host_memory: int | None
+    operators_on: bool = True
+    choices: tuple[Choice, ...] = ()
+    baseline: Plan | None = None
+    largest_context: int | None = None
+    step_seconds: float | None = None
+
+    @property
+    def programs(self) -> dict[str, int]:
+        return program_bytes(self.terms)
+
+    @property
+    def total_bytes(self) -> int:
+        """The device bytes at the step's peak: the larger program."""
+        return max(self.programs.values())
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.bytes for t in self.terms if t.live == "host")
+
+    @property
+    def phases(self) -> dict[str, int]:
+        return phase_bytes(self.terms)
+
+    @property
+    def peak_phase(self) -> str:
+        phases = self.phases
+        return max(phases, key=phases.get)
+
+    @property
+    def fits_device(self) -> bool | None:
+        return None if self.device_memory is None else self.total_bytes <= self.device_memory
+
+    @property
+    def fits_host(self) -> bool | None:
+        return None if self.host_memory is None else self.host_bytes <= self.host_memory
+
+    @property
+    def feasible(self) -> bool | None:
+        """Whether the step fits both memories; None when the device's memory is unknown."""
+        if self.fits_device is None:
+            return None
+        return bool(self.fits_device and self.fits_host is not False)
+
+    def device_terms(self) -> dict[str, int]:
+        return {t.name: t.bytes for t in self.terms if t.live != "host"}
+
+    def host_terms(self) -> dict[str, int]:
+        return {t.name: t.bytes for t in self.terms if t.live == "host"}
+
+    def reasons(self) -> list[str]:
+        """Why it does not fit, and what to change (empty when it fits)."""
+        return _reasons(self)
+
+    def filled_config(self) -> Config:
+        """The config with the plan's knobs (null ones filled, or all chosen with --auto):
+        what to run. The attention kernel stays as configured (the trainer resolves it)."""
+        sections: dict[str, dict] = {}
+        for key, value in self.knobs.as_config().items():
+            if key == "operators.attention":
+                continue
+            section, field = key.split(".")
+            sections.setdefault(section, {})[field] = value
+        return self.config.replace(**sections)
+
+
+def fits_in_memory(config: Config, knobs: Knobs, platform: str, device_memory: int | None,
+          host_memory: int | None) -> bool:
+    terms = plan_terms(config, knobs, platform=platform)
+    device = max(program_bytes(terms).values())
+    host = sum(t.bytes for t in terms if t.live == "host")
+    return ((device_memory is None or device <= device_memory)
+            and (host_memory is None or host <= host_memory))
+
+
+# ----------------------------------------------------------------------------------------------
+# What to change.
+
+
+_REMEDIES = {
+    "kept_boundaries": "keep fewer boundaries on the device: operators.offload: all",
+    "moe.": "bound the MoE's buffers: operators.moe_dispatch: pipelined with a smaller "
+            "operators.token_budget (null: the planner's choice)",
+    "loss.": "bound the loss: operators.loss: ring, a smaller operators.vocab_block",
+    "master": "move the optimizer's state to host memory: operators.optimizer_offload: true",
+    "moments": "move the optimizer's state to host memory: operators.optimizer_offload: true",
+    "attention.scores": "use cuDNN attention (operators.attention: cudnn, a GPU and bf16): the "
+                        "XLA kernel materializes T x T scores",
+    "params": "spread the weights over more devices",
+    "grads": "spread the weights over more devices",
+    "embedding_table": "spread the vocabulary over more devices",
+    "embedding_gradient": "spread the vocabulary over more devices",
+}
+
+
+def _reasons(plan: Plan) -> list[str]:
+    reasons = []
+    if plan.fits_device is False:
+        terms = [t for t in plan.terms if t.live != "host"]
+        largest = sorted(terms, key=lambda t: -t.bytes)[:3]
+        reasons.append(
+            f"the device needs {plan.total_bytes / GIB:.2f} GiB, it has "
+            f"{plan.device_memory / GIB:.2f} GiB; largest terms: "
+            + ", ".join(f"{t.name} {t.bytes / GIB:.2f} GiB" for t in largest))
+        remedies = []
+        for term in largest:
+            for prefix, remedy in _REMEDIES.items():
+                if term.name.startswith(prefix) and remedy not in remedies:
+                    remedies.append(remedy)
+        remedies.append("a shorter context (data.seq_len) or fewer sequences (data.batch_size)")
+        remedies.append("`peakflat plan CONFIG --auto` to choose the knobs")
+        reasons.append("to change: " + "; ".join(remedies))
+    if plan.fits_host is False:
+        reasons.append(
+            f"the host needs {plan.host_bytes / GIB:.2f} GiB per device, it has "
+            f"{plan.host_memory / GIB:.2f} GiB; to change: offload fewer boundaries "
+            f"(operators.offload), or keep the optimizer on the device")
+    return reasons

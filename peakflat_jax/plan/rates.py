@@ -1,0 +1,92 @@
+"""The measured rates and the step-time estimate that ``--auto`` ranks candidates by."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from peakflat_jax.config import Config
+from peakflat_jax.model.size import active_parameters_per_token
+from peakflat_jax.plan.terms import Knobs, model_weights
+from peakflat_jax.train.data import causal_pairs_per_sequence
+
+# ----------------------------------------------------------------------------------------------
+# Measured rates.
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """What the step-time estimate uses, per device; defaults measured on one or two H200s
+    (docs/plan.md says where each comes from; ``tests/test_plan.py`` recomputes those taken
+    from records). Override with ``dataclasses.replace`` or ``peakflat plan --rate NAME=VALUE``.
+    """
+
+    matmul_flops: float = 760e12
+    """Dense bf16 matmul FLOP/s (JAX-NOTES.md: 8192^3 on one H200)."""
+    attention_flops: float = 490e12
+    """Causal attention model FLOP/s, forward + backward, at long context (JAX-NOTES.md:
+    cuDNN on one H200)."""
+    host_link_bytes: float = 12 * 2e9 / 0.4301509520000053
+    """Host <-> device bytes/s, both directions together (offload_adamw_gpu_20261130-090838:
+    the ``link`` case, 12 bytes x 2e9 params host -> device)."""
+    all_to_all_bytes: float = 557e9
+    """all_to_all buffer bytes/s per device (JAX-NOTES.md: 2 H200s)."""
+    optimizer_seconds_per_param: float = 0.7796447619999753 / 2e9
+    """OffloadStreamAdamW's step per parameter (offload_adamw_gpu_20261130-070502: stream,
+    bucket 2.5e8, 2 slots, 2e9 params: the fastest measured)."""
+    optimizer_bucket_params: int = 250_000_000
+    """The bucket size of that measurement: --auto's first choice."""
+    moe_chunk_seconds: float = (0.7097738239999956 - 0.5835472699999968) / 4
+    """One more MoE chunk, per layer, forward + backward (moe_dispatch_gpu_20261130-090350:
+    pipelined at c = 6554 (5 chunks) against LLEP (1 chunk), N = 32,768, 2 H200s)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The step-time estimate.
+
+
+def attention_fraction(config: Config, context: int) -> float:
+    """The causal pairs within documents of this config's data at ``context``, over full
+    causal's T (T + 1) / 2 (1 for synthetic data): what the step estimate's attention counts."""
+    return causal_pairs_per_sequence(config.data, context) / (context * (context + 1) / 2)
+
+
+def step_seconds(config: Config, knobs: Knobs, rates: Rates = Rates()) -> float:
+    """An estimate of one step's time on a device: the model's matmuls with one recompute of
+    every layer, attention, the Ulysses exchanges, the MoE's extra chunks, the boundary copies
+    that do not hide under a layer's compute, and the offloaded optimizer's streaming (what of
+    it the forward does not hide, when overlapped)."""
+    model = config.model
+    n, width = knobs.tokens_per_device, knobs.num_devices
+    itemsize = jnp.dtype(model.dtype).itemsize
+    layers = model.num_layers
+    num_moe = layers - model.num_dense_layers
+    # 6 FLOPs per active weight per token, +2 for the recompute of every layer's forward.
+    matmul = 8.0 * active_parameters_per_token(model) * n / rates.matmul_flops
+    # Causal attention within documents, the trainer's convention (model.size): 12 Hq D per
+    # layer per causal pair (model FLOPs), +1/3 for the recompute, over the pairs of this
+    # config's data at this context (full causal for synthetic data), n / T sequences.
+    pairs = causal_pairs_per_sequence(config.data, knobs.context)
+    attention = 16.0 * layers * model.num_heads * model.head_dim * pairs * (
+        n / knobs.context) / rates.attention_flops
+    compute = matmul + attention
+    hkv = model.num_kv_heads if model.num_kv_heads % knobs.seq == 0 else model.num_heads
+    exchanged = n * (2 * model.num_heads + 2 * hkv) * model.head_dim * itemsize
+    ulysses = 3 * layers * exchanged * (knobs.seq - 1) / knobs.seq / rates.all_to_all_bytes
+    chunks = 1 if knobs.token_budget is None else min(knobs.max_chunks,
+                                                      -(-n // knobs.token_budget))
+    moe = num_moe * (chunks - 1) * rates.moe_chunk_seconds if knobs.moe_dispatch == (
+        "pipelined") else 0.0
+    copy = n * model.hidden * itemsize / rates.host_link_bytes
+    per_layer = compute / layers
+    # A boundary goes out under its layer's forward (1/4 of the layer) and comes back under
+    # the next layer's recompute and backward (3/4).
+    boundaries = knobs.num_offloaded * (max(0.0, copy - per_layer / 4)
+                                        + max(0.0, copy - 3 * per_layer / 4))
+    optimizer = 0.0
+    if knobs.optimizer_offload:
+        optimizer = model_weights(model, width).param_count * rates.optimizer_seconds_per_param
+        if knobs.optimizer_overlap:  # the stream runs under the forward (1/4 of the compute)
+            optimizer = max(0.0, optimizer - compute / 4)
+    return compute + ulysses + moe + boundaries + optimizer

@@ -1,0 +1,208 @@
+"""A plan of a configuration: ``make_plan``, the largest context that fits, the mesh split
+and the batch ``--auto`` searches."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from peakflat_jax.config import Config, to_dict
+from peakflat_jax.plan.errors import PlanError
+from peakflat_jax.plan.knobs import block_choices, choose_knobs, chunk_choices, knobs_from_config
+from peakflat_jax.plan.programs import Choice, Plan, fits_in_memory
+from peakflat_jax.plan.rates import Rates, step_seconds
+from peakflat_jax.plan.terms import Knobs, baseline_knobs, plan_terms
+
+# ----------------------------------------------------------------------------------------------
+# Plans.
+
+
+def make_plan(config: Config, num_devices: int, *, context: int | None = None,
+              device_memory: int | None = None, host_memory: int | None = None,
+              platform: str = "gpu", auto: bool = False, rates: Rates = Rates(),
+              baseline: bool = True, search_context: bool = True) -> Plan:
+    """The plan of ``config`` on ``num_devices`` devices at ``context`` (default
+    ``data.seq_len``), memories in bytes per device (None: unknown). Null knobs are filled
+    (and, with ``auto``, every knob is chosen: with ``context`` given, for the most tokens per
+    step; without, for the longest context). ``baseline``: also plan the same model and mesh
+    with the four operators off. ``search_context``: also find the largest context that fits
+    (needs ``device_memory``)."""
+    if platform not in ("gpu", "cpu"):
+        raise PlanError(f"platform: expected 'gpu' or 'cpu', got {platform!r}")
+    for name, value in (("device_memory", device_memory), ("host_memory", host_memory)):
+        if value is not None and (isinstance(value, bool) or value <= 0):
+            raise PlanError(f"{name}: expected a positive number of bytes, got {value!r}")
+    choices: list[Choice] = []
+    if auto:
+        config, mesh_choices, context = _auto_layout(config, num_devices, context,
+                                                     device_memory, host_memory, platform,
+                                                     rates)
+        choices += mesh_choices
+    knobs = knobs_from_config(config, num_devices, context=context, platform=platform)
+    knobs, knob_choices = choose_knobs(config, knobs, platform, device_memory, host_memory,
+                                       auto=auto, rates=rates)
+    choices += knob_choices
+    terms = tuple(plan_terms(config, knobs, platform=platform))
+    largest = base = None
+    if search_context and device_memory is not None:
+        largest = largest_context(config, num_devices, device_memory=device_memory,
+                                  host_memory=host_memory, platform=platform, knobs=knobs,
+                                  auto=auto, rates=rates)
+    if baseline:
+        base_config = config.replace(operators=to_dict(config.operators.all_off))
+        base_knobs = baseline_knobs(knobs)
+        base_terms = tuple(plan_terms(base_config, base_knobs, platform=platform))
+        base_largest = None
+        if search_context and device_memory is not None:
+            base_largest = largest_context(base_config, num_devices,
+                                           device_memory=device_memory,
+                                           host_memory=host_memory, platform=platform,
+                                           knobs=base_knobs, rates=rates)
+        base = Plan(base_config, base_knobs, platform, base_terms, device_memory, host_memory,
+                    operators_on=False, largest_context=base_largest)
+    return Plan(config, knobs, platform, terms, device_memory, host_memory, True,
+                tuple(choices), base, largest, step_seconds(config, knobs, rates))
+
+
+def largest_context(config: Config, num_devices: int, *, device_memory: int,
+                    host_memory: int | None = None, platform: str = "gpu",
+                    knobs: Knobs | None = None, auto: bool = False,
+                    rates: Rates = Rates()) -> int | None:
+    """The largest context (a multiple of mesh.seq) whose step fits, at the batch size of
+    ``knobs`` (default the config's): with the knobs' fixed settings and null knobs at their
+    lightest (with ``auto``: every knob at its lightest). None when none fits."""
+    if knobs is None:
+        knobs = knobs_from_config(config, num_devices, platform=platform)
+    step = knobs.seq * (knobs.num_devices // math.gcd(knobs.num_devices,
+                                                      knobs.batch_size * knobs.seq))
+
+    def fits(context: int) -> bool:
+        k = knobs_from_config(config, num_devices, context=context,
+                              batch_size=knobs.batch_size, platform=platform)
+        k = dataclasses.replace(k, data=knobs.data, seq=knobs.seq)
+        lightest = _lightest(config, k, auto)
+        return fits_in_memory(config, lightest, platform, device_memory, host_memory)
+
+    if not fits(step):
+        return None
+    low = 1  # in units of `step`
+    high = 2
+    while fits(high * step):
+        low, high = high, high * 2
+        if high * step > 2**40:
+            return low * step
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle * step):
+            low = middle
+        else:
+            high = middle
+    return low * step
+
+
+def _lightest(config: Config, knobs: Knobs, auto: bool) -> Knobs:
+    """Every knob that is chosen (null, or all with auto) at its lightest setting."""
+    ops, model = config.operators, config.model
+    n = knobs.tokens_per_device
+    if knobs.moe_dispatch == "pipelined" and (auto or ops.token_budget is None):
+        chunks = chunk_choices(n, knobs.max_chunks, auto)[-1]
+        knobs = dataclasses.replace(knobs, token_budget=-(-n // chunks),
+                                    max_chunks=max(chunks, knobs.max_chunks))
+    if knobs.loss == "ring" and (auto or ops.vocab_block is None):
+        knobs = dataclasses.replace(knobs, vocab_block=block_choices(config, knobs)[-1])
+    if auto:
+        knobs = dataclasses.replace(knobs, offload=(True,) * model.num_layers,
+                                    optimizer_offload=True, optimizer_overlap=False,
+                                    bucket_params=min(knobs.bucket_params, 1_000_000), slots=2)
+    return knobs
+
+
+def _auto_layout(config: Config, num_devices: int, context: int | None, device_memory,
+                 host_memory, platform, rates) -> tuple[Config, list[Choice], int | None]:
+    """--auto's mesh split (and, at a given context, the batch size): for each data x seq
+    split that divides the model, the longest context (or the most sequences at ``context``)
+    whose lightest setting fits; ties go to the faster estimate (fewer Ulysses exchanges)."""
+    model = config.model
+    splits = [(d, num_devices // d) for d in range(1, num_devices + 1) if num_devices % d == 0
+              and model.num_heads % (num_devices // d) == 0]
+    if not splits:
+        raise PlanError(f"devices: no data x seq split of {num_devices} devices divides "
+                        f"model.num_heads = {model.num_heads}")
+    best = None
+    for data, seq in splits:
+        candidate = config.replace(mesh={"data": data, "seq": seq})
+        if context is None:
+            batch = -(-config.data.batch_size // data) * data
+            candidate = candidate.replace(data={"batch_size": batch})
+            if device_memory is None:
+                score = (config.data.seq_len, data)
+                chosen_context = None
+            else:
+                knobs = _safe_knobs(candidate, num_devices, None, batch, platform)
+                if knobs is None:
+                    continue
+                found = largest_context(candidate, num_devices, device_memory=device_memory,
+                                        host_memory=host_memory, platform=platform,
+                                        knobs=knobs, auto=True, rates=rates)
+                if found is None:
+                    continue
+                score, chosen_context = (found, data), found
+        else:
+            batch = _largest_batch(candidate, num_devices, context, data, device_memory,
+                                   host_memory, platform)
+            if batch is None:
+                continue
+            candidate = candidate.replace(data={"batch_size": batch})
+            score, chosen_context = (batch, data), context
+        if best is None or score > best[0]:
+            best = (score, candidate, data, seq, chosen_context)
+    if best is None:
+        raise PlanError(f"--auto: no data x seq split of {num_devices} devices fits the model "
+                        f"at any context (even with every operator at its lightest)")
+    _, chosen, data, seq, chosen_context = best
+    why = ("the split with the longest context that fits (ties: more data parallelism, fewer "
+           "Ulysses exchanges)" if context is None else
+           "the split with the most tokens per step at this context (ties: more data "
+           "parallelism)")
+    choices = [Choice("mesh.data x mesh.seq", f"{data} x {seq}", why)]
+    if context is not None:
+        choices.append(Choice("data.batch_size", chosen.data.batch_size,
+                              "the most sequences whose lightest setting fits"))
+    elif chosen_context is not None:
+        choices.append(Choice("data.seq_len", chosen_context, "the longest context that fits"))
+    return chosen, choices, chosen_context if context is None else context
+
+
+def _safe_knobs(config, num_devices, context, batch, platform) -> Knobs | None:
+    try:
+        return knobs_from_config(config, num_devices, context=context, batch_size=batch,
+                                 platform=platform)
+    except PlanError:
+        return None
+
+
+def _largest_batch(config, num_devices, context, data, device_memory, host_memory,
+                   platform) -> int | None:
+    """The most sequences (a multiple of data) whose lightest setting fits at ``context``."""
+    def fits(batch):
+        knobs = _safe_knobs(config, num_devices, context, batch, platform)
+        return knobs is not None and (device_memory is None or fits_in_memory(
+            config, _lightest(config, knobs, True), platform, device_memory, host_memory))
+
+    if device_memory is None:
+        batch = -(-config.data.batch_size // data) * data
+        return batch if fits(batch) else None
+    if not fits(data):
+        return None
+    low, high = 1, 2
+    while fits(high * data):
+        low, high = high, high * 2
+        if high > 2**20:
+            return low * data
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle * data):
+            low = middle
+        else:
+            high = middle
+    return low * data

@@ -1,0 +1,429 @@
+"""The closed form: the knobs of a step, the weights' bytes, and every term of the bound
+(``plan_terms``), each with its formula and where it is live."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from peakflat_jax import mesh as mop
+from peakflat_jax.config import Config, ConfigError
+from peakflat_jax.ops import ring_cross_entropy as ring_module
+from peakflat_jax.ops import sco as sco_module
+from peakflat_jax.optim import offload_adamw as offload_module
+from peakflat_jax.optim import on_device_adamw as device_adamw_module
+
+# ----------------------------------------------------------------------------------------------
+# The planner's own terms (the operators' formulas are in their modules' MEMORY_FORMULAS).
+
+MEMORY_FORMULAS: dict[str, str] = {
+    "params": "P * b: this device's weight shards (FSDP dense, EP experts, vocab-split "
+              "embedding and head; a leaf W divides nowhere is whole)",
+    "grads": "P * b: their gradients, placed alike",
+    "router_bias": "2 * L_m * E * 4: the router's balancing bias (fp32, replicated), in and out",
+    "batch": "4 * N * 4: tokens, targets, positions, segment ids (int32)",
+    "gathered_weights": "2 * D_l * b: the layer's dense weights all-gathered whole, and their "
+                        "whole gradient before the reduce-scatter",
+    "residual_stream": "6 * N * H * 4: the layer's norms (fp32 inside), the residual sums and "
+                       "their cotangents",
+    "attention.activations": "3 * N * (2 Hq + 2 Hkv') * D * b: q, k, v and the output in the "
+                             "token and head layouts of the Ulysses exchange, and cotangents",
+    "attention.saved": "xla: 4 * N * Hq * T, the fp32 probabilities [B_l, Hq / seq, T, T] "
+                       "kept for the backward; cudnn: N * Hq * 4, the softmax statistics",
+    "attention.backward": "xla: (4 + b) * N * Hq * T, the probabilities' gradient and the "
+                          "logits' (fp32); cudnn: N * Hq * 4",
+    "ffn": "6 * N * F_d * 4: the dense FFN's gate, up and their product, and their "
+           "cotangents",
+    "router": "4 * N * E * 4: the router's fp32 logits, scores and their cotangents",
+    "shared_expert": "6 * N * F_s * 4: the shared expert's gate, up and product, and "
+                     "cotangents",
+    "final_hidden": "3 * N * H * 4: the last layer's output, the final norm's and the "
+                    "cotangent that leaves the loss",
+    "embedding_table": "V' * H * b: the table gathered whole for the lookup",
+    "embedding_gradient": "V' * H * b: the table's dense gradient before the reduce-scatter, "
+                          "which XLA may allocate before the layers' backward (XLA:CPU did)",
+    "optimizer_update": "2 * P * 4: the fused AdamW's fp32 gradients (clipped) and updates",
+    "overlap.moe_layer_weights": "2 * P_m * b: the MoE layers' updated weights taken per layer and "
+                                 "their stacked copy (the program's output) beside the stacked "
+                                 "params; P_m the MoE stack's share of P",
+    "data_pipeline": "pipeline_host_bytes / local devices: the batch being made",
+}
+
+LIVE_SETS = {
+    "persistent": "the whole step",
+    "boundaries": "from each layer's forward to its backward",
+    "backward": "through the backward, whatever phase it is in",
+    "layer": "one layer's recompute and backward (the largest layer kind)",
+    "layer/attention": "within the layer: attention's backward",
+    "layer/ffn": "within the layer: the FFN's or the MoE's forward and backward",
+    "loss": "the loss, forward and backward",
+    "embedding": "the lookup and its gradient",
+    "update": "the fused AdamW update",
+    "optimizer_step": "OffloadStreamAdamW's own program, after the gradients",
+    "overlap": "with operators.optimizer_overlap, beside the gradient program's terms in the "
+               "program that applies the last step's update before each layer's forward",
+    "host": "host memory, per device",
+}
+"""Where each term is live. The phases (layer, loss, embedding, update) never overlap: the
+gradient program's peak takes the largest of them."""
+
+PHASES = ("layer", "loss", "embedding", "update")
+# The most chunks --auto considers: each costs an exchange and a pass over the layer's expert
+# weights (Rates.moe_chunk_seconds), so the choice never wants more unless memory forces it.
+MOST_CHUNKS = 256
+SMALLEST_VOCAB_BLOCK = 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# The launch knobs and the layout they imply.
+
+
+@dataclasses.dataclass(frozen=True)
+class Knobs:
+    """Every choice the plan depends on besides the model."""
+
+    data: int
+    seq: int
+    batch_size: int
+    context: int
+    moe_dispatch: str
+    token_budget: int | None
+    """None: one chunk."""
+    max_chunks: int
+    loss: str
+    loss_mode: str
+    vocab_block: int | None
+    """None: a whole shard per strip."""
+    offload: tuple[bool, ...]
+    """Per layer, whether SCO keeps its boundary in host memory."""
+    optimizer_offload: bool
+    optimizer_overlap: bool
+    """Whether the trainer applies each step's (offloaded) update inside the next step's
+    program; only with the offloaded optimizer and MoE layers."""
+    bucket_params: int
+    slots: int
+    attention: str
+    """The resolved kernel: ``cudnn`` or ``xla``."""
+
+    @property
+    def num_devices(self) -> int:
+        return self.data * self.seq
+
+    @property
+    def tokens_per_device(self) -> int:
+        return self.batch_size * self.context // self.num_devices
+
+    @property
+    def num_offloaded(self) -> int:
+        return sum(self.offload)
+
+    def as_config(self) -> dict[str, Any]:
+        """The knobs as config keys (``section.field``: value)."""
+        offload = self.offload
+        count = sum(offload)
+        simple = all(offload[:count]) and not any(offload[count:])
+        return {"mesh.data": self.data, "mesh.seq": self.seq,
+                "data.batch_size": self.batch_size, "data.seq_len": self.context,
+                "operators.moe_dispatch": self.moe_dispatch,
+                "operators.token_budget": self.token_budget,
+                "operators.max_chunks": self.max_chunks, "operators.loss": self.loss,
+                "operators.loss_mode": self.loss_mode,
+                "operators.vocab_block": self.vocab_block,
+                "operators.offload": ("none" if count == 0 else "all" if count == len(offload)
+                                      else count if simple else list(offload)),
+                "operators.optimizer_offload": self.optimizer_offload,
+                "operators.optimizer_overlap": self.optimizer_overlap,
+                "optimizer.bucket_params": self.bucket_params, "optimizer.slots": self.slots,
+                "operators.attention": self.attention}
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightBytes:
+    """The model's weights on W devices, per device (from its abstract shapes and placement)."""
+
+    param_count: int
+    """P: trainable elements on a device (its shards; whole where W divides no dimension)."""
+    params: int
+    """Their bytes."""
+    extras: int
+    """Non-trained variables (the router's bias), bytes on a device."""
+    layer_shard: dict
+    """Per stack ('dense', 'moe'): one layer's slice of the device's shards, bytes."""
+    layer_whole_dense: dict
+    """Per stack: one layer's non-expert weights, whole, bytes (what the layer gathers)."""
+    embedding_whole: int
+    """The embedding table [V', H], whole, bytes."""
+
+
+@functools.lru_cache(maxsize=64)
+def model_weights(model_config, num_devices: int) -> WeightBytes:
+    """``WeightBytes`` of ``model_config`` on ``num_devices`` devices: the model's abstract
+    state (no array is made) under ``model.sharding.weight_spec``."""
+    from flax import nnx
+
+    from peakflat_jax.model.decoder import MoEDecoder
+    from peakflat_jax.model.sharding import _names, weight_spec
+
+    padded = mop.padded_vocab(model_config.vocab_size, num_devices)
+    abstract = nnx.eval_shape(lambda: MoEDecoder(model_config, padded_vocab=padded,
+                                                 rngs=nnx.Rngs(0)))
+    _, params, extras = nnx.split(abstract, nnx.Param, ...)
+    stacks = {"dense_layers": "dense", "moe_layers": "moe"}
+    layers = {"dense": model_config.num_dense_layers,
+              "moe": model_config.num_layers - model_config.num_dense_layers}
+    count = param_bytes = embedding = 0
+    shard = {"dense": 0, "moe": 0}
+    whole = {"dense": 0, "moe": 0}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        names = _names(path)
+        spec = weight_spec(names, leaf.shape, num_devices)
+        local = math.prod(_shard_shape(leaf.shape, spec, num_devices))
+        itemsize = jnp.dtype(leaf.dtype).itemsize
+        count += local
+        param_bytes += local * itemsize
+        if names == ("embedding",):
+            embedding = math.prod(leaf.shape) * itemsize
+        stack = stacks.get(names[0])
+        if stack:
+            shard[stack] += local * itemsize // layers[stack]
+            if names[-2:-1] != ("moe",) or names[-1] not in ("w_gate", "w_up", "w_down"):
+                whole[stack] += math.prod(leaf.shape) * itemsize // layers[stack]
+    extra_bytes = sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+                      for leaf in jax.tree.leaves(extras))
+    return WeightBytes(param_count=count, params=param_bytes, extras=extra_bytes,
+                       layer_shard=shard, layer_whole_dense=whole, embedding_whole=embedding)
+
+
+def _shard_shape(shape, spec, num_devices: int) -> tuple[int, ...]:
+    dims = list(shape)
+    for axis, entry in enumerate(spec):
+        if entry is not None:
+            dims[axis] //= num_devices  # every sharded dimension is over all devices (mop.ALL)
+    return tuple(dims)
+
+
+# ----------------------------------------------------------------------------------------------
+# The terms.
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    """One term of the bound: bytes per device, where it is live, its formula."""
+
+    name: str
+    bytes: int
+    live: str
+    formula: str
+
+
+def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
+               operators_on: bool = True) -> list[Term]:
+    """Every term of the step's per-device bound (device and host) for ``knobs``, with the
+    operators as the knobs set them (``operators_on``) or all four off (the baseline: EP in one
+    chunk, the materialized loss, no offload, the optimizer on the device)."""
+    model = config.model
+    width = knobs.num_devices
+    weights = model_weights(model, width)
+    itemsize = jnp.dtype(model.dtype).itemsize
+    n, h = knobs.tokens_per_device, model.hidden
+    padded = mop.padded_vocab(model.vocab_size, width)
+    shard_width = padded // width
+    num_dense = model.num_dense_layers
+    num_moe = model.num_layers - num_dense
+    boundary = n * h * itemsize
+    if platform == "cpu":  # memory kinds lower to nothing on CPU: an offloaded boundary stays
+        knobs = dataclasses.replace(knobs, offload=(False,) * model.num_layers)
+    if not operators_on:
+        knobs = baseline_knobs(knobs)
+    terms: list[Term] = []
+
+    def add(name, value, live, formula=None):
+        terms.append(Term(name, int(value), live, formula or MEMORY_FORMULAS[name]))
+
+    def add_all(prefix, values, live, formulas):
+        for key, value in values.items():
+            add(f"{prefix}{key}", value, live, formulas[key])
+
+    # Persistent state.
+    if knobs.optimizer_offload:
+        add("params", weights.params, "persistent")
+        add("grads", weights.params, "persistent")
+    else:
+        adamw = device_adamw_module.on_device_adamw_memory_terms(weights.param_count,
+                                                                 model.dtype)
+        add_all("", adamw, "persistent", {**device_adamw_module.MEMORY_FORMULAS,
+                                           "params": MEMORY_FORMULAS["params"],
+                                           "grads": MEMORY_FORMULAS["grads"]})
+    add("router_bias", 2 * weights.extras, "persistent")
+    add("batch", 4 * n * 4, "persistent")
+
+    # Boundaries and each stack's layer terms (SCO's bound, one stack at a time).
+    stacks = []
+    if num_dense:
+        stacks.append(("dense", knobs.offload[:num_dense], 2 * n * 4))
+    if num_moe:
+        stacks.append(("moe", knobs.offload[num_dense:], 2 * n * 4 + num_moe * model.num_experts
+                       * 4))
+    kept = integer = 0
+    layer_sets = {}
+    for kind, offload, integer_bytes in stacks:
+        sco = sco_module.sco_memory_terms(len(offload), sum(offload), boundary,
+                                          weights.layer_shard[kind], 0, integer_bytes)
+        kept += sco["kept_boundaries"]
+        integer += sco["integer_leaves"]
+        layer_sets[kind] = {key: sco[key] for key in ("restored_boundaries", "carry_cotangents",
+                                                      "layer_parameters")}
+    add("kept_boundaries", kept, "boundaries", sco_module.MEMORY_FORMULAS["kept_boundaries"])
+    add("integer_leaves", integer, "boundaries", sco_module.MEMORY_FORMULAS["integer_leaves"])
+
+    # One layer's recompute and backward: the larger of the dense and the MoE layer.
+    for name, value, live, formula in _layer_terms(config, knobs, platform, weights,
+                                                   layer_sets):
+        add(name, value, live, formula)
+
+    # The loss.
+    add("final_hidden", 3 * n * h * 4, "loss")
+    if knobs.loss == "ring":
+        try:
+            # The model takes the mean over the valid tokens (the reduced form).
+            ring = ring_module.ring_cross_entropy_memory_terms(
+                n, h, shard_width, width, vocab_block=knobs.vocab_block, mode=knobs.loss_mode,
+                hidden_dtype=model.dtype, kernel_dtype=model.dtype, reduction="mean",
+                vocab_size=model.vocab_size)
+        except ValueError as error:
+            raise ConfigError(f"operators.loss_mode / vocab_block: {error}") from None
+        add_all("loss.", ring, "loss", ring_module.MEMORY_FORMULAS)
+    else:
+        materialized = ring_module.materialized_memory_terms(
+            n, h, shard_width, width, vocab_size=model.vocab_size, kernel_dtype=model.dtype)
+        add_all("loss.", materialized, "loss", ring_module.MATERIALIZED_MEMORY_FORMULAS)
+
+    # The embedding.
+    add("embedding_table", weights.embedding_whole, "embedding")
+    add("embedding_gradient", weights.embedding_whole, "backward")
+
+    # The optimizer.
+    if knobs.optimizer_offload:
+        step = offload_module.offload_stream_adamw_memory_terms(
+            weights.param_count, knobs.bucket_params, knobs.slots, model.dtype)
+        add_all("optimizer_step.", step, "optimizer_step", offload_module.MEMORY_FORMULAS)
+        add("optimizer_step.router_bias", 2 * weights.extras, "optimizer_step",
+            MEMORY_FORMULAS["router_bias"])
+        add("optimizer_step.batch", 4 * n * 4, "optimizer_step", MEMORY_FORMULAS["batch"])
+        add("host.optimizer_state",
+            offload_module.offload_stream_adamw_host_bytes(weights.param_count), "host",
+            "12 * P: fp32 master, mu and nu (offload_stream_adamw_host_bytes)")
+        if knobs.optimizer_overlap:
+            # XLA:CPU updates the donated host buffers in place: nothing is staged there
+            # (tests/test_optim_memory.py measured it).
+            staged = step["staging"] + step["staging_gpu_excess"] if platform == "gpu" else 0
+            add("overlap.staging", staged, "overlap",
+                "the optimizer step's staging terms (above), now inside the step's program; 0 "
+                "on CPU, where XLA updates in place")
+            add("overlap.moe_layer_weights", 2 * num_moe * weights.layer_shard["moe"], "overlap")
+    else:
+        add("optimizer_update", 2 * weights.param_count * 4, "update")
+    add("host.offloaded_boundaries", sco_module.sco_host_bytes(knobs.num_offloaded, boundary),
+        "host", "n_offloaded * C (sco_host_bytes)")
+    add("host.data_pipeline", _pipeline_bytes(config, knobs), "host",
+        MEMORY_FORMULAS["data_pipeline"])
+    return terms
+
+
+def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightBytes,
+                 layer_sets: dict) -> list[tuple[str, int, str, str]]:
+    """(name, bytes, live, formula) of the largest layer's recompute and backward. Within the
+    layer, the attention's backward and the FFN's (or MoE's) never overlap: each is its own
+    sub-phase beside what the whole layer holds (its saved activations and weights)."""
+    model = config.model
+    itemsize = jnp.dtype(model.dtype).itemsize
+    n, h = knobs.tokens_per_device, model.hidden
+    hq, d = model.num_heads, model.head_dim
+    hkv = model.num_kv_heads if model.num_kv_heads % knobs.seq == 0 else hq
+    scores = n * hq * knobs.context  # one [B_l, Hq / seq, T, T] array's elements
+    xla = knobs.attention == "xla"
+    sco_formulas = sco_module.MEMORY_FORMULAS
+    attention = [
+        ("residual_stream", 6 * n * h * 4, "layer"),
+        ("attention.activations", 3 * n * (2 * hq + 2 * hkv) * d * itemsize, "layer"),
+        ("attention.saved", 4 * scores if xla else 4 * n * hq, "layer"),
+        ("attention.backward", (4 + itemsize) * scores if xla else 4 * n * hq,
+         "layer/attention"),
+    ]
+    candidates = []
+    for kind, sco in layer_sets.items():
+        terms = [(key, value, "layer", sco_formulas[key]) for key, value in sco.items()]
+        terms.append(("gathered_weights", 2 * weights.layer_whole_dense[kind], "layer",
+                      MEMORY_FORMULAS["gathered_weights"]))
+        terms += [(name, value, live, MEMORY_FORMULAS[name]) for name, value, live in attention]
+        if kind == "dense":
+            terms.append(("ffn", 6 * n * model.dense_ffn * 4, "layer/ffn",
+                          MEMORY_FORMULAS["ffn"]))
+        else:
+            terms.append(("router", 4 * n * model.num_experts * 4, "layer/ffn",
+                          MEMORY_FORMULAS["router"]))
+            terms.append(("shared_expert", 6 * n * model.shared_expert_ffn * 4, "layer/ffn",
+                          MEMORY_FORMULAS["shared_expert"]))
+            moe, formulas = _moe_terms(config, knobs, platform)
+            terms += [(f"moe.{key}", value, "layer/ffn", formulas[key])
+                      for key, value in moe.items()]
+        candidates.append((phase_total(terms, "layer"), kind, terms))
+    if not candidates:
+        return []
+    _, kind, terms = max(candidates, key=lambda c: c[0])
+    return [(name, value, live, f"[{kind} layer] {formula}")
+            for name, value, live, formula in terms]
+
+
+def phase_total(terms, phase: str) -> int:
+    """A phase's bytes: its own terms, plus the largest of its sub-phases (``phase/...``)."""
+    own = sum(t[1] for t in terms if t[2] == phase)
+    subs: dict[str, int] = {}
+    for t in terms:
+        if t[2].startswith(phase + "/"):
+            subs[t[2]] = subs.get(t[2], 0) + t[1]
+    return own + max(subs.values(), default=0)
+
+
+def _moe_terms(config: Config, knobs: Knobs, platform: str) -> tuple[dict, dict]:
+    """pf.pipelined_moe's terms for the configured dispatch (the operator's own function)."""
+    from peakflat_jax.ops import pipelined_moe as moe_module
+
+    model, llep = config.model, config.operators.llep
+    common = dict(num_tokens=knobs.tokens_per_device, hidden=model.hidden,
+                  ffn=model.expert_ffn, top_k=model.top_k, num_experts=model.num_experts,
+                  num_devices=knobs.num_devices, dtype=model.dtype,
+                  grouped_matmul="mosaic" if platform == "gpu" else "xla")
+    if knobs.moe_dispatch == "ep":
+        terms = moe_module.unchunked_moe_memory_terms(balance="none", **common)
+    else:
+        options = dict(max_foreign_experts=llep.max_foreign_experts,
+                       llep_threshold=llep.threshold, llep_capacity=llep.capacity)
+        if knobs.moe_dispatch == "llep":
+            terms = moe_module.unchunked_moe_memory_terms(balance="llep", **options, **common)
+        else:
+            terms = moe_module.pipelined_moe_memory_terms(
+                token_budget=knobs.token_budget, max_chunks=knobs.max_chunks, balance="llep",
+                **options, **common)
+    return terms, moe_module.MEMORY_FORMULAS
+
+
+def baseline_knobs(knobs: Knobs) -> Knobs:
+    """The same launch with the four operators off (``OperatorsConfig.all_off``): EP in one
+    chunk, the materialized loss, no offload, the optimizer on the device."""
+    return dataclasses.replace(knobs, moe_dispatch="ep", token_budget=None,
+                               loss="materialized", offload=(False,) * len(knobs.offload),
+                               optimizer_offload=False, optimizer_overlap=False)
+
+
+def _pipeline_bytes(config: Config, knobs: Knobs) -> int:
+    from peakflat_jax.train.data import pipeline_host_bytes
+
+    data = dataclasses.replace(config.data, seq_len=knobs.context, batch_size=knobs.batch_size)
+    # Every process makes its rows; one device's share is its process's bytes / its devices.
+    return pipeline_host_bytes(data) // knobs.num_devices
