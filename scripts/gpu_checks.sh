@@ -11,6 +11,8 @@
 #   bash scripts/gpu_checks.sh h200-compile    # nvidia-h200: h200-1's compile cold, from the
 #                                              #   cache, with another step count; 8 and 32
 #                                              #   layers compiled alone; SCO scanned and unrolled
+#   bash scripts/gpu_checks.sh h200-plan       # nvidia-h200: plan --check of h200-1 on and off,
+#                                              #   XLA's GPU buffer assignment at 3 layers
 #   bash scripts/gpu_checks.sh h200-xcheck     # nvidia-h200: h200-1 (2 layers) against PyTorch
 #   bash scripts/gpu_checks.sh h200-sco        # nvidia-h200: SCO, half and all boundaries offloaded
 #   bash scripts/gpu_checks.sh h200-sco-plan   # nvidia-h200: XLA's buffer plan of SCO's step
@@ -88,6 +90,22 @@ case "${1:-}" in
         --out-dir "$out"
     done
     timeout 480 python3 -m peakflat_jax.cli bench sco --preset gpu --out-dir "$out" ;;
+  h200-plan)
+    # Issue 25: the closed form against XLA's GPU plan of what the trainer compiles (no step
+    # runs), operators on and all off; then the gradient program at 3 layers compiled with XLA's
+    # buffer assignment dumped (what the GPU's extra temporaries are), tarred into $out.
+    for variant in on off; do
+      extra=(); [ "$variant" = off ] && extra=(operators.moe_dispatch=ep operators.loss=materialized
+                                              operators.offload=none operators.optimizer_offload=false)
+      timeout 420 python3 -m peakflat_jax.cli plan h200-1 "${extra[@]}" --check \
+        > "$out/plan_check_h200-1_$variant.txt" 2>&1
+      tail -8 "$out/plan_check_h200-1_$variant.txt"
+    done
+    rm -rf /tmp/xla-dump
+    XLA_FLAGS="--xla_dump_to=/tmp/xla-dump --xla_dump_hlo_as_text" timeout 300 \
+      python3 scripts/bench_compile.py h200-1 model.num_layers=3 --out-dir "$out"
+    tar -czf "$out/xla_dump_h200-1_L3.tgz" -C /tmp/xla-dump \
+      $(cd /tmp/xla-dump && ls | grep -E "buffer-assignment|memory-usage-report" | head -40) ;;
   h200-xcheck)
     # Issue 30: h200-1's model (2 layers, 2,048 tokens) against the PyTorch side, on the GPU.
     timeout 420 python3 -m peakflat_jax.cli xcheck run --record-dir "$out" --config h200-1 \
