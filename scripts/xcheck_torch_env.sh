@@ -33,6 +33,10 @@ find_python311() {
   return 1
 }
 
+# One maker at a time: test files on two pytest-xdist workers may ask at once, and the second
+# would find a half-made venv. The lock file lies beside the venv, not in it (it is remade).
+exec 9>"$repo_root/.venv-torch.lock"
+flock 9
 if [ ! -f "$stamp" ]; then
   python311="$(find_python311)"
   echo "setting up $venv with $python311" >&2

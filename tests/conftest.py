@@ -53,3 +53,19 @@ def rng(request):
     seed = seed_for(request.node.nodeid)
     print(f"PEAKFLAT_SEED={seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="session")
+def torch_python() -> str:
+    """The Python of .venv-torch (torch, transformers, safetensors: the PyTorch side of the
+    cross-check and the Hugging Face tests), made if missing. A failure fails the test: CI must
+    check."""
+    import pathlib
+    import subprocess
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "xcheck_torch_env.sh"
+    completed = subprocess.run(["bash", str(script)], capture_output=True, text=True,
+                               timeout=1200)
+    if completed.returncode:
+        pytest.fail(f"scripts/xcheck_torch_env.sh failed:\n{completed.stderr[-4000:]}")
+    return completed.stdout.strip().splitlines()[-1]

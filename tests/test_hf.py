@@ -50,16 +50,6 @@ OPERATORS = {"on": ["operators.moe_dispatch=pipelined", "operators.token_budget=
              "off": ["operators.moe_dispatch=ep", "operators.loss=materialized"]}
 
 
-@pytest.fixture(scope="module")
-def torch_python() -> str:
-    """The Python of .venv-torch, made if missing. A failure fails the test: CI must check."""
-    completed = subprocess.run(["bash", str(REPO / "scripts" / "xcheck_torch_env.sh")],
-                               capture_output=True, text=True, timeout=1200)
-    if completed.returncode:
-        pytest.fail(f"scripts/xcheck_torch_env.sh failed:\n{completed.stderr[-4000:]}")
-    return completed.stdout.strip().splitlines()[-1]
-
-
 def run_torch(python: str, jobs: list[dict], directory: pathlib.Path) -> None:
     path = directory / "jobs.json"
     path.write_text(json.dumps(jobs))

@@ -36,16 +36,6 @@ CASES = {"cross_entropy_move_weights", "cross_entropy_move_activations", "moe",
          "checkpointed_stack", "adamw", "model"}
 
 
-@pytest.fixture(scope="module")
-def torch_python() -> str:
-    """The Python of .venv-torch, made if missing. A failure fails the test: CI must check."""
-    completed = subprocess.run(["bash", str(REPO / "scripts" / "xcheck_torch_env.sh")],
-                               capture_output=True, text=True, timeout=1200)
-    if completed.returncode:
-        pytest.fail(f"scripts/xcheck_torch_env.sh failed:\n{completed.stderr[-4000:]}")
-    return completed.stdout.strip().splitlines()[-1]
-
-
 def torch_side(python: str, directory, *args) -> subprocess.CompletedProcess:
     return subprocess.run([python, str(TORCH_SIDE), str(directory), *args],
                           capture_output=True, text=True, timeout=900)
