@@ -20,7 +20,7 @@ import numpy as np
 import optax
 
 from peakflat_jax.config import OptimizerConfig
-from peakflat_jax.optim.offload_stream import offload_stream
+from peakflat_jax.optim.offload_stream import OffloadStreamState, offload_stream
 
 
 def learning_rate_schedule(config: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -64,8 +64,6 @@ def hyperparams_at(config: OptimizerConfig, schedule: optax.Schedule, step: int)
 def with_hyperparams(opt_state, values: dict):
     """``opt_state`` (a DeviceAdamW's or an OffloadStreamState) with its injected
     hyperparameters set to ``values``, each placed where the old value was."""
-    from peakflat_jax.optim.offload_stream import OffloadStreamState
-
     def replace(path, leaf):
         # Dict entries are DictKeys (.key), the state's fields GetAttrKeys (.name).
         keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
