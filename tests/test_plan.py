@@ -155,7 +155,8 @@ def test_offload_moves_boundaries_to_the_host():
 
 def test_attention_kernel_sets_the_scores_term():
     """The XLA kernel's [B_l, Hq / seq, T, T] fp32 probabilities are planned; cuDNN's are
-    not (its statistics are O(N Hq))."""
+    not: its statistics and its backward's workspace are O(R N Hq), R the packed runs (the
+    workspace's formula is held to XLA:GPU's buffer in test_plan_gpu_measured.py)."""
     config = small("model.dtype=bfloat16")
     knobs = knobs_of(config)
     scores = knobs.tokens_per_device * config.model.num_heads * knobs.context
@@ -163,7 +164,14 @@ def test_attention_kernel_sets_the_scores_term():
     cudnn = by_name(pl.plan_terms(config, dataclasses.replace(knobs, attention="cudnn")))
     assert xla["attention.saved"].bytes == 4 * scores
     assert xla["attention.backward"].bytes == (4 + 2) * scores
-    assert cudnn["attention.saved"].bytes == 4 * knobs.tokens_per_device * 8
+    runs = config.data.max_segments + 1
+    assert cudnn["attention.saved"].bytes == 4 * runs * knobs.tokens_per_device * 8
+    one = by_name(pl.plan_terms(small("model.dtype=bfloat16", "data.max_segments=1"),
+                                dataclasses.replace(knobs, attention="cudnn")))
+    assert one["attention.saved"].bytes * runs == cudnn["attention.saved"].bytes
+    fixed = pl.terms.CUDNN_FIXED_SCRATCH
+    assert (cudnn["attention.backward"].bytes - fixed
+            == runs * (one["attention.backward"].bytes - fixed))
 
 
 # ----------------------------------------------------------------------------------------------

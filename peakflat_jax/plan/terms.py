@@ -34,9 +34,13 @@ MEMORY_FORMULAS: dict[str, str] = {
     "attention.activations": "3 * N * (2 Hq + 2 Hkv') * D * b: q, k, v and the output in the "
                              "token and head layouts of the Ulysses exchange, and cotangents",
     "attention.saved": "xla: 4 * N * Hq * T, the fp32 probabilities [B_l, Hq / seq, T, T] "
-                       "kept for the backward; cudnn: N * Hq * 4, the softmax statistics",
+                       "kept for the backward; cudnn: 4 * R * N * Hq, the softmax statistics "
+                       "of each of the R = S + 1 packed runs (R = 1 unpacked)",
     "attention.backward": "xla: (4 + b) * N * Hq * T, the probabilities' gradient and the "
-                          "logits' (fp32); cudnn: N * Hq * 4",
+                          "logits' (fp32); cudnn: R * N * Hq * (8 D + 4) + 17,152, the "
+                          "backward's workspace: cuDNN sizes its fp32 dQ accumulator, full-head "
+                          "dK and dV and softmax sums for R runs of the whole length T each "
+                          "(XLA:GPU's plan, measured, docs/plan.md)",
     "ffn": "6 * N * F_d * 4: the dense FFN's gate, up and their product, and their "
            "cotangents",
     "router": "4 * N * E * 4: the router's fp32 logits, scores and their cotangents",
@@ -52,6 +56,10 @@ MEMORY_FORMULAS: dict[str, str] = {
                                  "their stacked copy (the program's output) beside the stacked "
                                  "params; P_m the MoE stack's share of P",
     "data_pipeline": "pipeline_host_bytes / local devices: the batch being made",
+    "optimizer_step.bucketed_params_gpu": "P * b: each bucket's new working params, which "
+                                          "XLA:GPU holds among the step's temporaries until "
+                                          "the leaves are assembled from them (measured, "
+                                          "docs/plan.md); 0 on CPU",
 }
 
 LIVE_SETS = {
@@ -315,6 +323,9 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
         add("optimizer_step.router_bias", 2 * weights.extras, "optimizer_step",
             MEMORY_FORMULAS["router_bias"])
         add("optimizer_step.batch", 4 * n * 4, "optimizer_step", MEMORY_FORMULAS["batch"])
+        if platform == "gpu":
+            add("optimizer_step.bucketed_params_gpu", weights.param_count * itemsize,
+                "optimizer_step")
         add("host.optimizer_state",
             offload_module.offload_stream_adamw_host_bytes(weights.param_count), "host",
             "12 * P: fp32 master, mu and nu (offload_stream_adamw_host_bytes)")
@@ -347,13 +358,14 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
     hkv = model.num_kv_heads if model.num_kv_heads % knobs.seq == 0 else hq
     scores = n * hq * knobs.context  # one [B_l, Hq / seq, T, T] array's elements
     xla = knobs.attention == "xla"
+    runs = packed_attention_runs(config)
     sco_formulas = sco_module.MEMORY_FORMULAS
     attention = [
         ("residual_stream", 6 * n * h * 4, "layer"),
         ("attention.activations", 3 * n * (2 * hq + 2 * hkv) * d * itemsize, "layer"),
-        ("attention.saved", 4 * scores if xla else 4 * n * hq, "layer"),
-        ("attention.backward", (4 + itemsize) * scores if xla else 4 * n * hq,
-         "layer/attention"),
+        ("attention.saved", 4 * scores if xla else 4 * runs * n * hq, "layer"),
+        ("attention.backward", (4 + itemsize) * scores if xla
+         else cudnn_backward_workspace(runs, n, hq, d), "layer/attention"),
     ]
     candidates = []
     for kind, sco in layer_sets.items():
@@ -378,6 +390,30 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
     _, kind, terms = max(candidates, key=lambda c: c[0])
     return [(name, value, live, f"[{kind} layer] {formula}")
             for name, value, live, formula in terms]
+
+
+# What XLA:GPU's buffer assignment gave cuDNN's attention backward beyond the R-fold arrays
+# (h200-1, jax 0.11.2, 2026-12-01): the graph's fixed scratch, the forward's whole workspace.
+CUDNN_FIXED_SCRATCH = 17_152
+
+
+def packed_attention_runs(config: Config) -> int:
+    """R, the runs cuDNN's packed layout sizes its arrays for: the data's segment cap plus the
+    padding run (``attention.segment_runs``), or 1 where a sequence is one document (synthetic
+    data, or ``data.max_segments: 1``), which takes the unpacked kernel (``runtime_for``)."""
+    segments = 1 if config.data.source == "synthetic" else config.data.max_segments
+    return 1 if segments == 1 else segments + 1
+
+
+def cudnn_backward_workspace(runs: int, tokens: int, heads: int, head_dim: int) -> int:
+    """Bytes of cuDNN flash attention's backward workspace for ``tokens`` per device over
+    ``heads`` query heads (``attention.backward``'s cudnn formula). cuDNN sizes its fp32 dQ
+    accumulator (4 D), full-head dK and dV (2 D each: GQA's kv heads expanded to the query
+    heads) and fp32 softmax sums (4) for every one of the R packed runs as if each ran the
+    whole sequence: R-fold what the tokens need. Measured on an H200: h200-1 at 65,536 tokens,
+    16 heads of 128, R = 65 gave u8[70,065,865,472], this formula to the byte. At R = 1 (the
+    unpacked kernel) the formula is the same graph's, not measured."""
+    return runs * tokens * heads * (8 * head_dim + 4) + CUDNN_FIXED_SCRATCH
 
 
 def phase_total(terms, phase: str) -> int:
