@@ -179,14 +179,22 @@ class LLEPConfig:
     """Foreign experts a device may host (static buffers); None: the operator's default."""
 
 
+AUTO_OPERATORS = ("moe_dispatch", "loss", "offload", "optimizer_offload")
+"""The operators' switches that take ``auto``."""
+
+
 @dataclasses.dataclass(frozen=True)
 class OperatorsConfig:
     """The four operators, each switchable on its own. All off is the standard baseline of the
-    same model: full remat, flash attention, the same mesh."""
+    same model: full remat, flash attention, the same mesh. ``auto`` (each operator's default;
+    ``operators: auto`` in a YAML file sets all four) leaves the choice to the planner, which
+    turns an operator on only where the run's peak needs it at its context, device and host
+    (``plan.operators``); a value given forces it."""
 
-    moe_dispatch: Literal["pipelined", "llep", "ep"] = "pipelined"
+    moe_dispatch: Literal["auto", "pipelined", "llep", "ep"] = "auto"
     """``pipelined``: PipelinedLLEP in chunks of ``token_budget``; ``llep``: least-loaded EP in
-    one chunk; ``ep``: standard expert parallelism, one chunk."""
+    one chunk; ``ep``: standard expert parallelism, one chunk; ``auto``: ``ep`` or
+    ``pipelined``, the planner's choice."""
     token_budget: int | None = None
     """c, tokens per chunk per device for ``pipelined``; None: the planner's choice, or one
     chunk."""
@@ -196,19 +204,21 @@ class OperatorsConfig:
     """Which tokens form a chunk."""
     llep: LLEPConfig = LLEPConfig()
     """The LLEP plan's knobs (``pipelined`` and ``llep``)."""
-    loss: Literal["ring", "materialized"] = "ring"
+    loss: Literal["auto", "ring", "materialized"] = "auto"
     """``ring``: Ring-DTP, the N x V logits never formed; ``materialized``: all-gathered head,
-    full logits."""
+    full logits; ``auto``: the planner's choice."""
     loss_mode: Literal["auto", "move_weights", "move_activations", "gather_kernel"] = "auto"
     """The ring's schedule (``pf.ring_cross_entropy``'s mode)."""
     vocab_block: int | None = None
     """Vocab columns per logit strip of the ring; None: a whole shard."""
-    offload: Literal["none", "all"] | int | list | float = "none"
+    offload: Literal["auto", "none", "all"] | int | list | float = "auto"
     """Checkpoint boundaries kept in host memory (SCO): ``none``, ``all``, a count (the first
-    n), a list of L bools, or a float: a host budget in GiB per device."""
-    optimizer_offload: bool = True
+    n), a list of L bools, or a float: a host budget in GiB per device; ``auto``: ``none`` or
+    ``all``, the planner's choice."""
+    optimizer_offload: bool | Literal["auto"] = "auto"
     """True: OffloadStreamAdamW (fp32 state in host memory, streamed in buckets); False:
-    optax.adamw with its state on the device, sharded like the params."""
+    optax.adamw with its state on the device, sharded like the params; ``auto``: the
+    planner's choice."""
     optimizer_overlap: bool = True
     """With the offloaded optimizer: apply each step's update inside the next step's program
     (the same numbers as updating after the backward). With ``layer_loop: unrolled`` each MoE
@@ -221,6 +231,11 @@ class OperatorsConfig:
     layer_loop: Literal["scan", "unrolled"] = "scan"
     """How the layer stack is traced (``pf.sco_scan``'s ``loop``): ``scan`` compiles one layer
     whatever the depth; ``unrolled`` traces every layer (compile time grows with depth)."""
+
+    @property
+    def chosen_by_planner(self) -> tuple[str, ...]:
+        """The operators left to the planner (``auto``)."""
+        return tuple(name for name in AUTO_OPERATORS if getattr(self, name) == "auto")
 
     @property
     def all_off(self) -> OperatorsConfig:
@@ -349,6 +364,8 @@ def load_config(path_or_name: str | pathlib.Path, overrides: list[str] = ()) -> 
         raise ConfigError(f"config: {path} must hold a mapping of sections, got "
                           f"{type(raw).__name__}")
     raw.setdefault("name", path.stem)
+    if raw.get("operators") == "auto":  # the shorthand: all four left to the planner
+        raw["operators"] = {}
     for override in overrides:
         key, sep, value = override.partition("=")
         if not sep or not key:
@@ -517,7 +534,7 @@ def check_config(config: Config) -> Config:
     if isinstance(offload, float) and not offload >= 0:
         raise ConfigError(f"operators.offload: expected a non-negative host budget in GiB, got "
                           f"{offload}")
-    if o.loss_mode == "gather_kernel" and o.loss != "ring":
+    if o.loss_mode == "gather_kernel" and o.loss == "materialized":
         raise ConfigError("operators.loss_mode: gather_kernel is a schedule of the ring loss "
                           "(operators.loss: ring)")
     if not 0 <= opt.b1 < 1 or not 0 <= opt.b2 < 1:
@@ -546,6 +563,9 @@ def offload_count(config: Config) -> Any:
     from peakflat_jax.ops.sco import HostBudget
 
     offload = config.operators.offload
+    if offload == "auto":
+        raise ConfigError("operators.offload: auto is chosen by the planner (plan.operators); "
+                          "resolve the config first")
     if offload == "none":
         return 0
     if offload == "all":

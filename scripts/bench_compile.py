@@ -29,7 +29,13 @@ from peakflat_jax.config import load_config
 from peakflat_jax.memory import compiled_memory
 from peakflat_jax.model.decoder import MoEDecoder
 from peakflat_jax.model.sharding import state_shardings
+from peakflat_jax.plan import make_plan
+from peakflat_jax.plan.machine import read_device_memory
 from peakflat_jax.train.trainer import boundary_offload, runtime_for
+
+
+def platform_of(devices) -> str:
+    return "gpu" if devices[0].platform in ("gpu", "cuda", "rocm") else "cpu"
 
 
 def main() -> int:
@@ -40,6 +46,12 @@ def main() -> int:
     args = parser.parse_args()
     config = load_config(args.config, args.overrides)
     mesh = mop.make_mesh(config.mesh)
+    # What the trainer would compile: the planner's choices for this machine (operators left
+    # auto, null knobs), without its fit check (a depth that would not fit still compiles).
+    devices = list(mesh.devices.flat)
+    config = make_plan(config, len(devices), platform=platform_of(devices),
+                       device_memory=read_device_memory(devices), baseline=False,
+                       search_context=False).filled_config()
     runtime = runtime_for(config, mesh)
     offload = boundary_offload(config, mesh)
     padded = mop.padded_vocab(config.model.vocab_size, mop.num_devices(mesh))
@@ -73,6 +85,8 @@ def main() -> int:
         "commit": os.environ.get("PEAKFLAT_COMMIT", "unknown"),
         "config": config.name, "overrides": args.overrides,
         "num_layers": config.model.num_layers, "layer_loop": config.operators.layer_loop,
+        "operators": {k: getattr(config.operators, k) for k in
+                      ("moe_dispatch", "loss", "offload", "optimizer_offload")},
         "trace_s": traced_at - started, "lower_s": lowered_at - traced_at,
         "compile_s": compiled_at - lowered_at, "total_s": compiled_at - started,
         "mosaic_call_sites": len(hashes), "distinct_mosaic_kernels": len(set(hashes)),

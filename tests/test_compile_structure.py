@@ -16,10 +16,15 @@ from peakflat_jax.model.decoder import MoEDecoder
 from peakflat_jax.train.trainer import runtime_for
 
 
+# h200-1 leaves its operators to the planner; these programs are the ones with all four on.
+ON = ["operators.moe_dispatch=pipelined", "operators.loss=ring", "operators.offload=all",
+      "operators.optimizer_offload=true"]
+
+
 def gradient_jaxpr(overrides: list[str]):
     """The jaxpr of h200-1's loss gradient (abstract weights: nothing is allocated), on one
     CPU device, as the trainer traces it."""
-    config = load_config("h200-1", overrides)
+    config = load_config("h200-1", [*ON, *overrides])
     mesh = mop.make_mesh(config.mesh, jax.devices()[:1])
     runtime = runtime_for(config, mesh)
     padded = mop.padded_vocab(config.model.vocab_size, 1)

@@ -82,8 +82,9 @@ def test_packed_chapters_count_a_small_share_of_full_causal():
 
 def test_the_step_estimate_counts_attention_within_documents():
     """Its attention term (no offload, the optimizer on the device: no term hides under it)."""
-    config = load_config("h200-1").replace(operators={"offload": "none",
-                                                      "optimizer_offload": False})
+    config = load_config("h200-1").replace(operators={
+        "moe_dispatch": "pipelined", "loss": "ring", "offload": "none",
+        "optimizer_offload": False})
     knobs = plan.knobs_from_config(config, 1, context=config.data.seq_len, platform="gpu")
     fast = dataclasses.replace(plan.Rates(), attention_flops=1e30)
     m = config.model

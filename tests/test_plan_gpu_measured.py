@@ -20,7 +20,9 @@ RESULTS = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "results"
 TRAIN = RESULTS / "h200_1_train_scan_gpu_20261201-105253.json"
 PLAN_CHECK = RESULTS / "plan_check_h200-1_on_gpu_20261201-1058.txt"
 BUFFERS = RESULTS / "xla_gpu_buffer_assignment_h200-1_20261201.tgz"
-AT_MEASUREMENT = ["data.max_segments=64"]  # h200-1 as it was measured
+# h200-1 as it was measured: its segment cap then, and its four operators forced on.
+AT_MEASUREMENT = ["data.max_segments=64", "operators.moe_dispatch=pipelined", "operators.loss=ring",
+                  "operators.offload=all", "operators.optimizer_offload=true"]
 ALL_OFF = ["operators.moe_dispatch=ep", "operators.loss=materialized", "operators.offload=none",
            "operators.optimizer_offload=false"]
 

@@ -25,6 +25,9 @@ def knobs_from_config(config: Config, num_devices: int, *, context: int | None =
     """The config's knobs on ``num_devices`` devices (nulls not yet filled); raises PlanError
     or ConfigError naming what does not divide."""
     ops, model = config.operators, config.model
+    if ops.chosen_by_planner:
+        raise PlanError(f"operators: {', '.join(ops.chosen_by_planner)} still auto; "
+                        f"plan.make_plan chooses them (plan.operators)")
     num_devices = _positive("devices", num_devices)
     context = _positive("context", config.data.seq_len if context is None else context)
     batch_size = _positive("batch_size", config.data.batch_size if batch_size is None

@@ -71,7 +71,7 @@ def format_table(plan) -> str:
     lines.append("")
     lines.append("peak = persistent + boundaries + backward + the largest phase (phases never "
                  "overlap); the offloaded optimizer's step is its own program")
-    for label, p in (("operators on", plan), ("baseline", base)):
+    for label, p in ((_label(plan), plan), ("baseline", base)):
         if p is None:
             continue
         phases = ", ".join(f"{phase} {_gib(p.phases[phase])}" for phase in PHASES
@@ -95,10 +95,15 @@ def format_table(plan) -> str:
                      f"docs/plan.md; attention within documents, {fraction:.1%} of full causal "
                      f"at {knobs.context:,} tokens, from the config's data)")
     if plan.device_memory is not None:
-        for label, p in (("operators on", plan), ("baseline", base)):
+        for label, p in ((_label(plan), plan), ("baseline", base)):
             if p is not None:
                 found = "none" if p.largest_context is None else f"{p.largest_context:,} tokens"
                 lines.append(f"largest context that fits, {label} (batch {knobs.batch_size}): "
                              f"{found}")
     return "\n".join(lines)
 
+
+
+def _label(plan) -> str:
+    """The plan's row: "operators on" as configured, "auto" where the planner chose some."""
+    return "auto" if any(c.why.startswith("auto: ") for c in plan.choices) else "operators on"

@@ -9,6 +9,7 @@ import math
 from peakflat_jax.config import Config, to_dict
 from peakflat_jax.plan.errors import PlanError
 from peakflat_jax.plan.knobs import block_choices, choose_knobs, chunk_choices, knobs_from_config
+from peakflat_jax.plan.operators import choose_operators, with_operators_on
 from peakflat_jax.plan.programs import Choice, Plan, fits_in_memory
 from peakflat_jax.plan.rates import Rates, step_seconds
 from peakflat_jax.plan.terms import Knobs, baseline_knobs, plan_terms
@@ -33,6 +34,16 @@ def make_plan(config: Config, num_devices: int, *, context: int | None = None,
         if value is not None and (isinstance(value, bool) or value <= 0):
             raise PlanError(f"{name}: expected a positive number of bytes, got {value!r}")
     choices: list[Choice] = []
+    # The largest context is searched with the auto operators on: where the context needs
+    # them, auto turns them on.
+    capable = with_operators_on(config)
+    if auto:  # every knob is searched from the operators on
+        config = capable
+    else:
+        config, operator_choices = choose_operators(
+            config, num_devices, context=context, device_memory=device_memory,
+            host_memory=host_memory, platform=platform, rates=rates)
+        choices += operator_choices
     if auto:
         config, mesh_choices, context = _auto_layout(config, num_devices, context,
                                                      device_memory, host_memory, platform,
@@ -45,9 +56,13 @@ def make_plan(config: Config, num_devices: int, *, context: int | None = None,
     terms = tuple(plan_terms(config, knobs, platform=platform))
     largest = base = None
     if search_context and device_memory is not None:
-        largest = largest_context(config, num_devices, device_memory=device_memory,
-                                  host_memory=host_memory, platform=platform, knobs=knobs,
-                                  auto=auto, rates=rates)
+        if capable is config or auto:
+            largest = largest_context(config, num_devices, device_memory=device_memory,
+                                      host_memory=host_memory, platform=platform, knobs=knobs,
+                                      auto=auto, rates=rates)
+        else:
+            largest = largest_context(capable, num_devices, device_memory=device_memory,
+                                      host_memory=host_memory, platform=platform, rates=rates)
     if baseline:
         base_config = config.replace(operators=to_dict(config.operators.all_off))
         base_knobs = baseline_knobs(knobs)

@@ -88,8 +88,13 @@ def boundary_offload(config: Config, mesh) -> tuple[bool, ...]:
 
 
 def runtime_for(config: Config, mesh) -> Runtime:
-    platform = np.asarray(mesh.devices).flat[0].platform
+    """What the model's forward reads of a config whose operators are chosen (none ``auto``:
+    the trainer's config is its plan's, ``Plan.filled_config``)."""
     ops = config.operators
+    if ops.chosen_by_planner:
+        raise ConfigError(f"operators: {', '.join(ops.chosen_by_planner)} still auto; the "
+                          f"planner chooses them (peakflat_jax.plan.make_plan)")
+    platform = np.asarray(mesh.devices).flat[0].platform
     try:
         attention = choose_implementation(ops.attention, platform, config.model.dtype)
     except ValueError as error:
@@ -537,6 +542,7 @@ class Trainer:
 
     def banner(self, state: TrainState) -> str:
         from peakflat_jax.model.size import parameter_counts
+        from peakflat_jax.plan.operators import describe as describe_operators
 
         counts = parameter_counts(self.config.model, mop.padded_vocab(
             self.config.model.vocab_size, mop.num_devices(self.mesh)))
@@ -546,7 +552,8 @@ class Trainer:
                 f"moe {ops.moe_dispatch}, loss {ops.loss}, offload {sum(self.offload)}/"
                 f"{len(self.offload)} boundaries, optimizer "
                 f"{'offloaded' if self.offloaded_optimizer else 'on device'}, attention "
-                f"{self.runtime.attention}; step {state.step} of {self.total_steps}")
+                f"{self.runtime.attention}; step {state.step} of {self.total_steps}"
+                + (f"\n{chosen}" if (chosen := describe_operators(self.plan.choices)) else ""))
 
     def summary(self, history: list[dict], state: TrainState) -> dict:
         timed = history[1:] or history  # the first step's time includes warming up

@@ -107,9 +107,11 @@ def export(directory: str | pathlib.Path, *, config: str = "tiny", overrides: tu
     directory.mkdir(parents=True, exist_ok=True)
     run_config = load_config(config, [*overrides, f"model.dtype={dtype}", f"train.seed={seed}",
                                       f"data.seed={seed}"])
+    from peakflat_jax.plan.operators import with_operators_on
     from peakflat_jax.train.trainer import Trainer
 
-    trainer = Trainer(run_config, run_dir=str(directory / "unused"))
+    # The check is of the operators: those a config leaves auto are checked on.
+    trainer = Trainer(with_operators_on(run_config), run_dir=str(directory / "unused"))
     rng = np.random.default_rng(seed)
     precision = "highest" if dtype == "float32" else "default"
     with jax.default_matmul_precision(precision) if dtype == "float32" else (

@@ -1,0 +1,99 @@
+"""``operators: auto``: which of the four operators a run pays for.
+
+Each operator bounds one peak and costs something where that peak does not bind: PipelinedLLEP
+its extra chunks, SCO its boundary copies, OffloadStreamAdamW its host traffic, Ring-DTP a
+schedule of strips. So an operator left ``auto`` is turned on only where the run needs it: of
+every setting of the ``auto`` switches (``CHOICES``; the forced ones stay as given), the planner
+takes those whose step fits the device's and the host's memory at the run's context, and of
+them the one with the shortest estimated step (``plan.rates.step_seconds``), ties going to the
+fewest operators on. Where the standard stack fits, that is all off: nothing is paid for. Where
+none fits, it is every ``auto`` operator on (the smallest peak), and the fit check that follows
+refuses the run with its table of terms. With the device's memory unknown, nothing binds: all
+off.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from peakflat_jax.config import Config
+from peakflat_jax.plan.programs import Choice, Plan
+from peakflat_jax.plan.rates import Rates, step_seconds
+from peakflat_jax.plan.terms import plan_terms
+
+CHOICES = {"moe_dispatch": ("ep", "pipelined"), "loss": ("materialized", "ring"),
+           "offload": ("none", "all"), "optimizer_offload": (False, True)}
+"""Each switch's settings, off first."""
+
+ON = {name: values[1] for name, values in CHOICES.items()}
+"""Every operator on: what ``--auto``'s knob search starts from."""
+
+
+def with_operators_on(config: Config) -> Config:
+    """The config with its ``auto`` operators on (``ON``)."""
+    auto = config.operators.chosen_by_planner
+    return config.replace(operators={name: ON[name] for name in auto}) if auto else config
+
+
+def choose_operators(config: Config, num_devices: int, *, context: int | None,
+                     device_memory: int | None, host_memory: int | None, platform: str,
+                     rates: Rates = Rates()) -> tuple[Config, list[Choice]]:
+    """The config with its ``auto`` operators chosen (module doc), and one Choice per switch
+    saying why."""
+    from peakflat_jax.plan.knobs import choose_knobs, knobs_from_config
+
+    auto = config.operators.chosen_by_planner
+    if not auto:
+        return config, []
+    candidates = []
+    for values in itertools.product(*(CHOICES[name] for name in auto)):
+        chosen = dict(zip(auto, values))
+        candidate = config.replace(operators=chosen)
+        knobs = knobs_from_config(candidate, num_devices, context=context, platform=platform)
+        knobs, _ = choose_knobs(candidate, knobs, platform, device_memory, host_memory,
+                                auto=False, rates=rates)
+        plan = Plan(candidate, knobs, platform, tuple(plan_terms(candidate, knobs,
+                                                                 platform=platform)),
+                    device_memory, host_memory, step_seconds=step_seconds(candidate, knobs,
+                                                                          rates))
+        switched_on = sum(value != CHOICES[name][0] for name, value in chosen.items())
+        candidates.append((plan, chosen, switched_on))
+    fitting = [c for c in candidates if c[0].feasible is not False]
+    if fitting:
+        plan, chosen, _ = min(fitting, key=lambda c: (c[0].step_seconds, c[2]))
+    else:
+        plan, chosen, _ = min(candidates, key=lambda c: (c[0].total_bytes, -c[2]))
+    off = next(c[0] for c in candidates if c[2] == 0)
+    return plan.config, [Choice(f"operators.{name}", value, _why(name, value, plan, off,
+                                                                 bool(fitting)))
+                         for name, value in chosen.items()]
+
+
+def describe(choices) -> str | None:
+    """One line for a run's banner: the ``auto`` operators' settings and why, or None."""
+    chosen = [c for c in choices if c.key.removeprefix("operators.") in CHOICES
+              and c.why.startswith("auto: ")]
+    if not chosen:
+        return None
+    settings = ", ".join(f"{c.key.removeprefix('operators.')} {c.value}" for c in chosen)
+    return f"operators chosen by the planner: {settings}: {chosen[0].why.split('; ', 1)[1]}"
+
+
+def _why(name: str, value, plan: Plan, off: Plan, fits: bool) -> str:
+    """``auto: on|off; the reason``, the reason shared by every switch of the choice."""
+    gib = 2**30
+    memory = ("" if plan.device_memory is None
+              else f" of {plan.device_memory / gib:.1f} GiB")
+    state = "off" if value == CHOICES[name][0] else "on"
+    if not fits:
+        reason = (f"no setting fits, so every auto operator is on, the smallest peak "
+                  f"({plan.total_bytes / gib:.1f} GiB{memory})")
+    elif off is plan:
+        reason = (f"nothing binds (the standard stack's peak {off.total_bytes / gib:.1f} "
+                  f"GiB{memory} fits)")
+    else:
+        reason = (f"the fastest estimated setting that fits ({plan.total_bytes / gib:.1f} "
+                  f"GiB{memory}, {plan.step_seconds:.3f} s; the standard stack needs "
+                  f"{off.total_bytes / gib:.1f} GiB"
+                  f"{'' if off.feasible is not False else ' and does not fit'})")
+    return f"auto: {state}; {reason}"

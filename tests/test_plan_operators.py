@@ -1,0 +1,86 @@
+"""``operators: auto``: the planner turns an operator on only where the run's peak needs it."""
+
+import itertools
+
+import pytest
+
+from peakflat_jax.config import ConfigError, load_config
+from peakflat_jax.plan import make_plan
+from peakflat_jax.plan.operators import CHOICES, describe
+from peakflat_jax.train.trainer import Trainer, runtime_for
+
+GIB = 2**30
+H200 = dict(device_memory=139 * GIB, host_memory=128 * GIB, platform="gpu")
+SWITCHES = tuple(CHOICES)
+
+
+def plan_of(overrides, **memory):
+    config = load_config("h200-1", overrides)
+    return make_plan(config, 1, baseline=False, search_context=False, **{**H200, **memory})
+
+
+def chosen(plan):
+    return {name: getattr(plan.config.operators, name) for name in SWITCHES}
+
+
+def forced(settings):
+    return [f"operators.{name}={str(value).lower()}" for name, value in settings.items()]
+
+
+def test_where_the_standard_stack_fits_nothing_is_on():
+    """h200-1 at 64K on one H200: the standard stack fits, so auto is the standard stack, to
+    the byte."""
+    plan = plan_of([])
+    assert chosen(plan) == {name: values[0] for name, values in CHOICES.items()}
+    standard = plan_of(forced({name: values[0] for name, values in CHOICES.items()}))
+    assert plan.total_bytes == standard.total_bytes and plan.feasible
+    assert "nothing binds" in describe(plan.choices)
+
+
+@pytest.mark.parametrize("context", [294_912, 393_216])
+def test_where_it_does_not_the_chosen_set_fits_and_none_fits_faster(context):
+    """Past the standard stack's longest context: the chosen set fits, and of every setting of
+    the four switches that fits none has a shorter estimated step (nor, at the same time,
+    fewer operators on)."""
+    plan = plan_of([f"data.seq_len={context}"])
+    assert plan.feasible
+    assert not plan_of([f"data.seq_len={context}",
+                        *forced({n: v[0] for n, v in CHOICES.items()})]).feasible
+    on = sum(chosen(plan)[n] != CHOICES[n][0] for n in SWITCHES)
+    assert on >= 1
+    for values in itertools.product(*CHOICES.values()):
+        other = plan_of([f"data.seq_len={context}", *forced(dict(zip(SWITCHES, values)))])
+        if other.feasible:
+            other_on = sum(v != CHOICES[n][0] for n, v in zip(SWITCHES, values))
+            assert (other.step_seconds, other_on) >= (plan.step_seconds, on)
+
+
+def test_a_forced_operator_stays():
+    plan = plan_of(["operators.loss=ring"])
+    assert plan.config.operators.loss == "ring"
+    assert plan.config.operators.moe_dispatch == "ep"  # still auto: off at 64K
+
+
+def test_nothing_fits_every_auto_operator_on():
+    plan = plan_of(["data.seq_len=1048576"])
+    assert chosen(plan) == {name: values[1] for name, values in CHOICES.items()}
+    assert not plan.feasible and "no setting fits" in describe(plan.choices)
+
+
+def test_the_yaml_shorthand_and_unresolved_configs(tmp_path):
+    path = tmp_path / "auto.yaml"
+    path.write_text("model:\n  num_layers: 2\noperators: auto\n")
+    config = load_config(path)
+    assert config.operators.chosen_by_planner == SWITCHES
+    with pytest.raises(ConfigError, match="still auto"):
+        runtime_for(config, None)
+
+
+def test_the_trainer_runs_the_plans_choice():
+    """On the 8 CPU devices, tiny with its operators left to the planner: they fit in the
+    CPU's share of the host, so the trainer's config is the standard stack's."""
+    trainer = Trainer(load_config("tiny", ["model.num_layers=2", "data.seq_len=64",
+                                           *[f"operators.{n}=auto" for n in SWITCHES]]))
+    assert chosen(trainer.plan) == {name: values[0] for name, values in CHOICES.items()}
+    assert trainer.config.operators.chosen_by_planner == ()
+    assert not trainer.offloaded_optimizer and not any(trainer.offload)
