@@ -15,7 +15,6 @@ from peakflat_jax.config import load_config
 from peakflat_jax.model.decoder import MoEDecoder
 from peakflat_jax.train.trainer import runtime_for
 
-
 # h200-1 leaves its operators to the planner; these programs are the ones with all four on.
 ON = ["operators.moe_dispatch=pipelined", "operators.loss=ring", "operators.offload=all",
       "operators.optimizer_offload=true"]

@@ -47,7 +47,8 @@ def _checked_program(name: str) -> int:
 MEASURED = {
     # (overrides, the plan's program, the measured bytes)
     "overlapped step, allocator peak": ([], "overlapped", lambda: _train_peak("cold")),
-    "optimizer step, XLA's plan": ([], "optimizer_step", lambda: _checked_program("optimizer_step")),
+    "optimizer step, XLA's plan": ([], "optimizer_step",
+                                   lambda: _checked_program("optimizer_step")),
     "all-off step, allocator peak": (ALL_OFF, "gradient", lambda: _train_peak("off")),
     "gradient at 8 layers, XLA's plan": ([], "gradient", lambda: _compile_plan(8)),
     "gradient at 32 layers, XLA's plan": (["model.num_layers=32"], "gradient",
