@@ -248,7 +248,8 @@ def test_fine_tune_then_export_hf(references, torch_python, tmp_path):
                                                                         "tokens.npy"),
                                   out=str(tmp_path / "trained.npz"))], tmp_path)
     theirs = np.load(tmp_path / "trained.npz")
-    ours, loss, _ = forward(config_for(tmp_path / "out", tmp_path), references["tokens"])
+    ours, loss, _ = forward(config_for(tmp_path / "out", tmp_path, OPERATORS["off"]),
+                            references["tokens"])
     assert relative(ours, theirs["logits"]) < 1e-5
     assert abs(loss - float(theirs["loss"])) < 1e-5 * abs(float(theirs["loss"]))
     assert relative(theirs["logits"], untrained["logits"]) > 1e-3

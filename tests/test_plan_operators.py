@@ -84,3 +84,13 @@ def test_the_trainer_runs_the_plans_choice():
     assert chosen(trainer.plan) == {name: values[0] for name, values in CHOICES.items()}
     assert trainer.config.operators.chosen_by_planner == ()
     assert not trainer.offloaded_optimizer and not any(trainer.offload)
+
+
+@pytest.mark.parametrize("overrides, loop", [
+    ([], "scan"),  # nothing streams: one layer compiled whatever the depth
+    (["operators.optimizer_offload=true"], "unrolled"),  # overlapped: straight-line copies
+    (["operators.optimizer_offload=true", "operators.optimizer_overlap=false"], "scan"),
+    (["operators.optimizer_offload=true", "operators.layer_loop=scan"], "scan"),  # forced
+])
+def test_the_layer_loop_follows_the_optimizer_stream(overrides, loop):
+    assert plan_of(overrides).config.operators.layer_loop == loop

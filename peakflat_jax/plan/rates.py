@@ -91,6 +91,6 @@ def step_seconds(config: Config, knobs: Knobs, rates: Rates = Rates()) -> float:
         # compute); with the scanned one the stacked MoE weights wait for all their buckets,
         # and on an H200 the whole stream showed (h200-1: 2.96 s a step against 1.73 with
         # the optimizer on the device, h200_1_train_scan_gpu_20261201-105253.json).
-        if knobs.optimizer_overlap and config.operators.layer_loop == "unrolled":
+        if knobs.optimizer_overlap and config.operators.layer_loop != "scan":  # auto: unrolled
             optimizer = max(0.0, optimizer - compute / 4)
     return compute + ulysses + moe + boundaries + optimizer

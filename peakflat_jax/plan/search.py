@@ -9,7 +9,7 @@ import math
 from peakflat_jax.config import Config, to_dict
 from peakflat_jax.plan.errors import PlanError
 from peakflat_jax.plan.knobs import block_choices, choose_knobs, chunk_choices, knobs_from_config
-from peakflat_jax.plan.operators import choose_operators, with_operators_on
+from peakflat_jax.plan.operators import choose_layer_loop, choose_operators, with_operators_on
 from peakflat_jax.plan.programs import Choice, Plan, fits_in_memory
 from peakflat_jax.plan.rates import Rates, step_seconds
 from peakflat_jax.plan.terms import Knobs, baseline_knobs, plan_terms
@@ -53,6 +53,8 @@ def make_plan(config: Config, num_devices: int, *, context: int | None = None,
     knobs, knob_choices = choose_knobs(config, knobs, platform, device_memory, host_memory,
                                        auto=auto, rates=rates)
     choices += knob_choices
+    config, loop_choices = choose_layer_loop(config, knobs)
+    choices += loop_choices
     terms = tuple(plan_terms(config, knobs, platform=platform))
     largest = base = None
     if search_context and device_memory is not None:

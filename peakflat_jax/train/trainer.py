@@ -88,12 +88,17 @@ def boundary_offload(config: Config, mesh) -> tuple[bool, ...]:
 
 
 def runtime_for(config: Config, mesh) -> Runtime:
-    """What the model's forward reads of a config whose operators are chosen (none ``auto``:
-    the trainer's config is its plan's, ``Plan.filled_config``)."""
+    """What the model's forward reads of a config: its MoE dispatch and loss must be chosen
+    (not ``auto``: the trainer's config is its plan's, ``Plan.filled_config``); a layer loop
+    left ``auto`` is ``scan`` here, as the planner resolves it wherever no optimizer stream
+    runs inside the forward."""
     ops = config.operators
-    if ops.chosen_by_planner:
-        raise ConfigError(f"operators: {', '.join(ops.chosen_by_planner)} still auto; the "
-                          f"planner chooses them (peakflat_jax.plan.make_plan)")
+    unresolved = [name for name in ("moe_dispatch", "loss") if getattr(ops, name) == "auto"]
+    if unresolved:
+        raise ConfigError(f"operators: {', '.join(unresolved)} still auto; the planner "
+                          f"chooses them (peakflat_jax.plan.make_plan)")
+    if ops.layer_loop == "auto":
+        ops = dataclasses.replace(ops, layer_loop="scan")
     platform = np.asarray(mesh.devices).flat[0].platform
     try:
         attention = choose_implementation(ops.attention, platform, config.model.dtype)
