@@ -10,7 +10,7 @@
 #   auto        `peakflat train h200-1` as a user runs it (operators auto: the standard stack at
 #               64K), cold cache, then from the cache: compile, start-up timeline (first step
 #               within 30 s of the start?), step, peak against the plan (data.max_segments 4).
-#   on / unrolled  all four forced on, scanned and unrolled: the step (<= 1.79 s?), the peak
+#   on / unrolled  all four forced on, scanned and unrolled (auto: unrolled): the step (<= 1.79 s?), the peak
 #               against the plan at the cap of 4 segments (the plan: 41.8 GiB).
 #   xcheck      h200-1 at 2 layers, 2,048 tokens, against PyTorch (per-case lines).
 #   devopt-dump the operators on with the optimizer on the device, XLA's buffer assignment
@@ -39,7 +39,7 @@ run auto_cold 300 python3 -m peakflat_jax.cli train h200-1 train.steps=8 "${nc[@
 keep /tmp/r-auto auto_cold
 run auto_warm 200 python3 -m peakflat_jax.cli train h200-1 train.steps=8 "${nc[@]}" --run-dir /tmp/r-auto
 keep /tmp/r-auto auto_warm
-run on_scan 300 python3 -m peakflat_jax.cli train h200-1 train.steps=8 "${ON[@]}" "${nc[@]}" --run-dir /tmp/r-on
+run on_scan 300 python3 -m peakflat_jax.cli train h200-1 train.steps=8 "${ON[@]}" operators.layer_loop=scan "${nc[@]}" --run-dir /tmp/r-on
 keep /tmp/r-on on_scan
 run xcheck 300 python3 -m peakflat_jax.cli xcheck run --record-dir "$LOGS" --config h200-1 \
   model.num_layers=2 data.seq_len=2048
