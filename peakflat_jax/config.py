@@ -232,8 +232,9 @@ class OperatorsConfig:
     """How the layer stack is traced (``pf.sco_scan``'s ``loop``): ``scan`` compiles one layer
     whatever the depth; ``unrolled`` traces every layer (compile time grows with depth), and XLA
     overlaps host copies with the layers' compute only there; ``auto``: ``unrolled`` where the
-    offloaded optimizer is overlapped with the forward (on an H200, h200-1 stepped in 1.83 s
-    unrolled against 2.96 s scanned), else ``scan`` (``plan.operators.choose_layer_loop``)."""
+    offloaded optimizer is overlapped with the forward on a GPU (on an H200, h200-1 stepped in
+    1.83 s unrolled against 2.96 s scanned), else ``scan``
+    (``plan.operators.choose_layer_loop``)."""
 
     @property
     def chosen_by_planner(self) -> tuple[str, ...]:

@@ -94,3 +94,9 @@ def test_the_trainer_runs_the_plans_choice():
 ])
 def test_the_layer_loop_follows_the_optimizer_stream(overrides, loop):
     assert plan_of(overrides).config.operators.layer_loop == loop
+
+
+def test_on_a_cpu_the_layer_loop_is_scanned():
+    """XLA:CPU lowers the host copies to nothing: nothing to overlap, one layer compiled."""
+    plan = plan_of(["operators.optimizer_offload=true"], platform="cpu")
+    assert plan.config.operators.layer_loop == "scan"

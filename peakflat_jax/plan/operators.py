@@ -69,20 +69,23 @@ def choose_operators(config: Config, num_devices: int, *, context: int | None,
                          for name, value in chosen.items()]
 
 
-def choose_layer_loop(config: Config, knobs) -> tuple[Config, list[Choice]]:
+def choose_layer_loop(config: Config, knobs, platform: str) -> tuple[Config, list[Choice]]:
     """``operators.layer_loop: auto`` resolved for a config whose operators are chosen:
     ``unrolled`` where the offloaded optimizer's update runs inside the next step's forward
     (XLA overlaps host copies with compute in straight-line code, not across a while loop's
     iterations, and a scanned stack's stacked weights wait for every bucket: on an H200 h200-1
     stepped in 1.83 s unrolled against 2.96 s scanned, docs/compile.md), else ``scan`` (one
-    layer compiled whatever the depth). ``knobs``: the plan's."""
+    layer compiled whatever the depth); always ``scan`` on CPUs, where the host copies lower
+    to nothing. ``knobs``: the plan's."""
     if config.operators.layer_loop != "auto":
         return config, []
-    overlapped = knobs.optimizer_overlap  # offloaded, overlapped, with MoE layers to hide under
+    # Offloaded, overlapped, with MoE layers to hide under, on a machine with host copies.
+    overlapped = knobs.optimizer_overlap and platform == "gpu"
     loop = "unrolled" if overlapped else "scan"
     why = ("chosen: the offloaded optimizer's stream overlaps the forward only in straight-line "
            "code (compile time grows with depth)" if overlapped
-           else "chosen: no optimizer stream to overlap; one layer compiled whatever the depth")
+           else "chosen: no optimizer stream to overlap here; one layer compiled whatever the "
+                "depth")
     return config.replace(operators={"layer_loop": loop}), [Choice("operators.layer_loop",
                                                                    loop, why)]
 
