@@ -140,14 +140,43 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Token batches: a byte-level corpus packed into sequences, or synthetic tokens."""
+    """Token batches: text (a corpus file, or a JSONL file of documents or chat examples)
+    tokenized and packed into sequences, or synthetic tokens (``peakflat_jax.train.data``)."""
 
-    source: Literal["corpus", "synthetic"] = "corpus"
-    """``corpus``: the text file ``corpus_path`` tokenized as bytes, documents packed;
-    ``synthetic``: uniformly random tokens (one document per sequence)."""
+    source: Literal["corpus", "jsonl", "synthetic"] = "corpus"
+    """``corpus``: the text file ``corpus_path``, its documents packed; ``jsonl``: the JSONL
+    file ``path``, its documents (``text_field``) or chat examples (``prompt_field`` and
+    ``response_field``) packed; ``synthetic``: uniformly random tokens (one document per
+    sequence)."""
+    tokenizer: str | None = None
+    """How text becomes tokens: ``bytes`` (UTF-8 bytes and 4 specials, a vocabulary of 260), or
+    a Hugging Face ``tokenizer.json`` (its path, or a directory holding one) read by
+    ``tokenizers``; null: ``bytes``, or with ``model.from_pretrained`` the checkpoint's
+    directory (its tokenizer.json; without one, an error: set ``bytes`` to train it on bytes).
+    Its vocabulary must fit ``model.vocab_size``."""
+    bos_token: str | None = None
+    """The token (its text) that opens every document or example; null: the ``bos_token`` of
+    the tokenizer_config.json beside the tokenizer.json, else none. Not with bytes."""
+    eos_token: str | None = None
+    """The token (its text) that closes every document or example (a chat response's end,
+    which the model learns to predict); null: the ``eos_token`` of the tokenizer_config.json
+    beside the tokenizer.json, which must then name one. Not with bytes."""
     corpus_path: str | None = None
     """A UTF-8 text file whose documents are separated by blank lines; None: the public-domain
     corpus shipped in ``peakflat_jax/train/corpus/``."""
+    path: str | None = None
+    """The JSONL file of the ``jsonl`` source: one JSON object a line (blank lines skipped),
+    each holding ``text_field``, or ``prompt_field`` and ``response_field``, as strings; every
+    line is checked when the pipeline is made, an error naming the line."""
+    text_field: str | None = None
+    """The field of a JSONL line that holds a document's text (pretraining-style: every token a
+    target)."""
+    prompt_field: str | None = None
+    """The field of a JSONL line that holds a chat example's prompt, any chat template
+    included: its tokens are context, never targets (the SFT loss mask)."""
+    response_field: str | None = None
+    """The field of a JSONL line that holds a chat example's response: its tokens and the EOS
+    after it are the targets."""
     document_blank_lines: int = 1
     """The document level: a run of at least this many blank lines ends a document (blank
     lines within a document stay in its text). The shipped corpus separates chapters by one
@@ -515,9 +544,10 @@ def check_config(config: Config) -> Config:
     if m.rope_scaling_factor < 1 or not math.isfinite(m.rope_scaling_factor):
         raise ConfigError(f"model.rope_scaling_factor: expected a finite number >= 1, got "
                           f"{m.rope_scaling_factor}")
-    if d.source == "corpus" and m.vocab_size < 260:
-        raise ConfigError(f"model.vocab_size: the byte-level corpus needs at least 260 "
-                          f"(256 bytes + 4 specials), got {m.vocab_size}")
+    check_data_fields(d)
+    if d.source != "synthetic" and d.tokenizer in (None, "bytes") and m.vocab_size < 260:
+        raise ConfigError(f"model.vocab_size: byte-level text needs at least 260 (256 bytes + "
+                          f"4 specials), got {m.vocab_size}")
     if config.mesh.seq == 0 or config.mesh.seq < -1:
         raise ConfigError(f"mesh.seq: expected a positive integer or -1 (the rest), got "
                           f"{config.mesh.seq}")
@@ -559,6 +589,30 @@ def check_config(config: Config) -> Config:
         if value is not None and not (value > 0 and math.isfinite(value)):
             raise ConfigError(f"{key}: expected null or a positive number of GiB, got {value}")
     return config
+
+
+def check_data_fields(data: DataConfig):
+    """ConfigError naming the field when a JSONL source's fields do not say what its lines
+    hold: ``data.path``, and either ``data.text_field`` or both ``data.prompt_field`` and
+    ``data.response_field``. (The files themselves are read by ``peakflat_jax.train.data``.)"""
+    if data.source != "jsonl":
+        return
+    if data.path is None:
+        raise ConfigError("data.path: the jsonl source needs a JSONL file (one JSON object a "
+                          "line)")
+    chat = (data.prompt_field, data.response_field)
+    if data.text_field is not None and any(field is not None for field in chat):
+        raise ConfigError("data.text_field: set either it (documents) or data.prompt_field "
+                          "and data.response_field (chat examples), not both")
+    if data.text_field is None:
+        if chat == (None, None):
+            raise ConfigError("data.text_field: the jsonl source needs the field that holds a "
+                              "document's text, or data.prompt_field and data.response_field "
+                              "for chat examples")
+        for key, value in zip(("data.prompt_field", "data.response_field"), chat):
+            if value is None:
+                raise ConfigError(f"{key}: chat examples need both data.prompt_field and "
+                                  f"data.response_field")
 
 
 def offload_count(config: Config) -> Any:

@@ -55,32 +55,40 @@ def stream_documents(rows: np.ndarray, segment_ids: np.ndarray) -> list[np.ndarr
 
 
 def reference_pack(documents: list[np.ndarray], seq_len: int, max_segments: int,
-                   count: int) -> dict[str, np.ndarray]:
+                   count: int, *, pad_token: int = PAD,
+                   masks: list[np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """The first ``count`` sequences of concatenate-then-split packing, written plainly: fill a
     sequence with pieces of documents in order until it has seq_len tokens or max_segments
-    pieces; pad the rest; a piece's targets are its own next tokens, its last one IGNORE."""
+    pieces; pad the rest; a piece's targets are its own next tokens, its last one IGNORE.
+    ``masks``: per document, 1 where a token may be a target (chat examples), IGNORE instead
+    where it may not."""
     out = {key: [] for key in KEYS}
     tokens, targets, segment_ids, positions = [], [], [], []
+    if masks is None:
+        masks = [np.ones(len(document), int) for document in documents]
 
     def close():
         pad = seq_len - len(tokens)
-        out["tokens"].append(tokens + [PAD] * pad)
+        out["tokens"].append(tokens + [pad_token] * pad)
         out["targets"].append(targets + [IGNORE] * pad)
         out["segment_ids"].append(segment_ids + [0] * pad)
         out["positions"].append(positions + [0] * pad)
 
-    for document in documents:
-        rest = list(document)
+    for document, mask in zip(documents, masks):
+        rest, rest_mask = list(document), list(mask)
         while rest:
             if len(tokens) == seq_len or (segment_ids and segment_ids[-1] == max_segments):
                 close()
                 tokens, targets, segment_ids, positions = [], [], [], []
                 if len(out["tokens"]) == count:
                     return {key: np.array(value) for key, value in out.items()}
-            piece, rest = rest[:seq_len - len(tokens)], rest[seq_len - len(tokens):]
+            room = seq_len - len(tokens)
+            piece, rest = rest[:room], rest[room:]
+            piece_mask, rest_mask = rest_mask[:room], rest_mask[room:]
             segment = (segment_ids[-1] if segment_ids else 0) + 1
             tokens += piece
-            targets += piece[1:] + [IGNORE]
+            targets += [token if flag else IGNORE
+                        for token, flag in zip(piece[1:], piece_mask[1:])] + [IGNORE]
             segment_ids += [segment] * len(piece)
             positions += list(range(len(piece)))
     raise AssertionError("the reference ran out of documents")

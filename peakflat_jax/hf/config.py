@@ -123,7 +123,8 @@ def model_config_from_hf(hf: dict, base: ModelConfig | None = None) -> ModelConf
 
 
 def resolve_pretrained(config: Config, explicit: set[str] | None = None) -> Config:
-    """``config`` with the architecture of ``model.from_pretrained``'s config.json. A field
+    """``config`` with the architecture of ``model.from_pretrained``'s config.json, and for a
+    text source whose ``data.tokenizer`` is null, the checkpoint's tokenizer. A field
     set to another value than the checkpoint's is an error naming both (the checkpoint decides
     the architecture; a stray override would otherwise be dropped silently): ``explicit``, the
     model fields the YAML and overrides set (``load_config``), or where unknown, those that
@@ -142,7 +143,11 @@ def resolve_pretrained(config: Config, explicit: set[str] | None = None) -> Conf
         raise ConfigError(f"model.router_bias_rate: expected 0 with model.from_pretrained (the "
                           f"checkpoint's router has no balancing bias), got "
                           f"{model.router_bias_rate}")
-    return dataclasses.replace(config, model=resolved)
+    data = config.data
+    if data.tokenizer is None and data.source != "synthetic":
+        # Text for a pretrained model is tokenized as it was trained: the checkpoint's own.
+        data = dataclasses.replace(data, tokenizer=str(model.from_pretrained))
+    return dataclasses.replace(config, model=resolved, data=data)
 
 
 def family_of(config: ModelConfig) -> str:
