@@ -40,8 +40,9 @@ class ModelConfig:
     """The decoder: gpt-oss / DeepSeek-V3 shaped, a stack of attention + MoE layers."""
 
     vocab_size: int = 260
-    """V, the true vocabulary (byte-level data: 256 bytes + 4 specials). The head is padded to a
-    multiple of the ring size; padded columns never enter the softmax."""
+    """V, the true vocabulary (byte-level data: 256 bytes + 4 specials; at least a
+    ``data.tokenizer``'s). The head is padded to a multiple of the ring size; padded columns
+    never enter the softmax."""
     hidden: int = 64
     """H, the residual width."""
     num_layers: int = 4

@@ -290,6 +290,55 @@ def test_missing_corpus_is_named(tmp_path):
         Trainer(small_config(f"data.corpus_path={tmp_path / 'missing.txt'}"), run_dir="unused")
 
 
+def chat_config(tmp_path: pathlib.Path, *overrides: str):
+    """SMALL on a JSONL file of chat examples through a tokenizer trained here (300 tokens)."""
+    from test_data_text import random_text, train_tokenizer, write_jsonl
+
+    train_tokenizer(tmp_path / "tokenizer")
+    rng = np.random.default_rng(0)
+    write_jsonl(tmp_path / "chat.jsonl", [{"prompt": random_text(rng, 12),
+                                           "response": random_text(rng, 6)} for _ in range(40)])
+    return small_config("data.source=jsonl", f"data.path={tmp_path / 'chat.jsonl'}",
+                        "data.prompt_field=prompt", "data.response_field=response",
+                        f"data.tokenizer={tmp_path / 'tokenizer'}", "model.vocab_size=300",
+                        *overrides)
+
+
+def test_trainer_takes_sft_batches_from_a_tokenizer(tmp_path):
+    """The trainer's pipeline for chat examples through a tokenizer: planned, and its first
+    global batch holds the SFT mask's targets (fewer than the tokens of its segments), without
+    compiling anything."""
+    config = chat_config(tmp_path)
+    trainer = Trainer(config, run_dir=str(tmp_path / "run"))
+    local = next(trainer.batches)
+    batch = trainer.global_batch(local)
+    valid = int(np.sum(np.asarray(batch["targets"]) != -100))
+    assert 0 < valid < int(np.sum(local["segment_ids"] > 0)) // 2  # the prompts are longer
+    assert trainer.plan.feasible is not False
+    assert any(term.name == "host.data_pipeline" for term in trainer.plan.terms)
+
+
+@pytest.mark.slow
+def test_train_on_chat_examples_with_a_tokenizer(tmp_path):
+    """``peakflat train tiny`` for 2 steps on a JSONL file of chat examples through a
+    tokenizer (one dense layer, the operators off: the cheapest compile): each step's valid
+    targets are those of the pipeline's batches."""
+    from peakflat_jax import cli
+    from peakflat_jax.train import data as pf_data
+
+    overrides = ["model.num_layers=1", "model.num_dense_layers=1", *ALL_OFF, "train.steps=2"]
+    config = chat_config(tmp_path, *overrides)
+    args = [f"data.{key}={getattr(config.data, key)}" for key in (
+        "source", "path", "prompt_field", "response_field", "tokenizer")]
+    assert cli.main(["train", "tiny", *SMALL, *overrides, *args, "model.vocab_size=300",
+                     "--run-dir", str(tmp_path / "run"), "--no-progress"]) == 0
+    batches = pf_data.make_batches(config.data, vocab_size=300)
+    expected = [int(np.sum(next(batches)["targets"] != -100)) for _ in range(2)]
+    records = read_metrics(tmp_path / "run")
+    assert [record["valid_targets"] for record in records] == expected
+    assert all(np.isfinite(record["loss"]) for record in records)
+
+
 @pytest.mark.slow
 def test_overlapped_optimizer_changes_no_bit(tmp_path):
     """The optimizer's update inside the next step's program (operators.optimizer_overlap) gives
