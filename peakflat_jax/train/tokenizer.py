@@ -63,7 +63,7 @@ class TextTokenizer:
     """Fills a sequence after its last segment (never a target)."""
     vocab_size: int
     """The largest id + 1."""
-    hf: object | None = None
+    hf: tokenizers.Tokenizer | None = None
     """The ``tokenizers.Tokenizer``; None for bytes."""
 
     def encode(self, text: str | bytes) -> np.ndarray:
@@ -110,8 +110,9 @@ def load_tokenizer(data: DataConfig) -> TextTokenizer:
                                   f"tokens have their own (BOS 256, EOS 257), got {value!r}")
         return BYTE_TOKENIZER
     path = tokenizer_file(data.tokenizer)
-    stat = path.stat()
-    return _load(str(path), stat.st_size, stat.st_mtime_ns, data.bos_token, data.eos_token)
+    versions = tuple((file.stat().st_size, file.stat().st_mtime_ns) if file.is_file() else None
+                     for file in (path, path.parent / "tokenizer_config.json"))
+    return _load(str(path), versions, data.bos_token, data.eos_token)
 
 
 def tokenizer_file(spec: str) -> pathlib.Path:
@@ -130,10 +131,11 @@ def tokenizer_file(spec: str) -> pathlib.Path:
 
 
 @functools.lru_cache(maxsize=8)
-def _load(path: str, size: int, mtime_ns: int, bos_token: str | None,
+def _load(path: str, versions: tuple, bos_token: str | None,
           eos_token: str | None) -> TextTokenizer:
-    """One tokenizer per file version and specials (the planner and the trainer share it)."""
-    del size, mtime_ns  # in the cache key only: a rewritten file is read again
+    """One tokenizer per version of its files and specials (the planner and the trainer share
+    it)."""
+    del versions  # in the cache key only: a rewritten file is read again
     try:
         hf = tokenizers.Tokenizer.from_file(path)
     except Exception as error:  # the Rust side's errors are plain Exceptions
