@@ -154,17 +154,24 @@ def _train(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.overrides)
     except ConfigError as error:
         raise UsageError(f"peakflat train: {error}") from None
-    # jax and the trainer only now: a bad config is answered without importing them.
+    # The trainer only now: a bad config is answered without importing it.
+    import jax
+
     from peakflat_jax import mesh
     from peakflat_jax.plan import DoesNotFit, PlanError
     from peakflat_jax.train.interrupts import Interrupted
+    from peakflat_jax.train.startup import Timeline
     from peakflat_jax.train.trainer import train
 
+    timeline = Timeline()  # where the start-up goes, from the process's start
+    timeline.mark("imports")
     try:
         mesh.initialize_distributed(config.mesh)  # before anything starts a backend
         enable_compilation_cache()
+        jax.devices()  # the backend started here (not inside the trainer's set-up)
+        timeline.mark("backend")
         train(config, resume=args.resume, overwrite=args.overwrite, run_dir=args.run_dir,
-              progress=False if args.no_progress else None)
+              progress=False if args.no_progress else None, timeline=timeline)
     except (ConfigError, PlanError) as error:
         raise UsageError(f"peakflat train: {error}") from None
     except DoesNotFit as error:  # the planner's table of terms: several lines

@@ -17,6 +17,9 @@ each batch by ``model.size``'s convention, attention within documents; MFU of th
 measured matmul rate, ``train.metrics``), peak device memory, host memory. A batch without a
 valid target is reported and skipped (its mean loss is NaN).
 
+After the first step, one line says where the start-up went, phase by phase since the
+process's start (``startup``; summary.json's ``startup_seconds``).
+
 A run directory holds one run (``run_dir``: what it holds, when a run may use it; checkpoints at
 the end, every ``train.checkpoint_every`` steps and when interrupted), and SIGINT or SIGTERM
 stops a run after the step in flight with a checkpoint saved (``interrupts``).
@@ -49,7 +52,7 @@ from peakflat_jax.ops.sco import PerLayer
 from peakflat_jax.plan import DoesNotFit, check_plan, offload_flags
 from peakflat_jax.train import checkpoint as ckpt
 from peakflat_jax.train import data as data_pipeline
-from peakflat_jax.train import interrupts
+from peakflat_jax.train import interrupts, startup
 from peakflat_jax.train import metrics as report
 from peakflat_jax.train import run_dir as run_dirs
 from peakflat_jax.train.optimizer import (
@@ -108,7 +111,12 @@ def split_model_state(state):
 class Trainer:
     """One run: ``Trainer(config).run(resume=False) -> summary``."""
 
-    def __init__(self, config: Config, *, run_dir: str | None = None):
+    def __init__(self, config: Config, *, run_dir: str | None = None,
+                 timeline: startup.Timeline | None = None):
+        if timeline is None:  # made without the command: the process's start to here, as one
+            timeline = startup.Timeline()
+            timeline.mark("before")
+        self.timeline = timeline  # where the start-up goes, phase by phase (``startup``)
         mop.initialize_distributed(config.mesh)
         self.mesh = mop.make_mesh(config.mesh)
         mop.check_model_fits_mesh(config, self.mesh)
@@ -437,11 +445,15 @@ class Trainer:
             run_dirs.clear_run_dir(self.run_dir)
         wait_for_every_process("peakflat-run-dir-ready")
         checkpoints = ckpt.Checkpoints(checkpoint_dir, config)
+        self.timeline.mark("setup")
         state = self.initial_state()
         resumed_from = None
         if resume:
             state = checkpoints.restore_latest(state, self.batches, self.optimizer)
             resumed_from = state.step
+        # Made, not only dispatched: the phase holds the state's own time.
+        jax.block_until_ready((state.params, state.extras, state.opt_state))
+        self.timeline.mark("state")
         # The records of the steps before the resume, for the summary of the whole run (those
         # of later steps, which this run computes again, are dropped).
         earlier = [r for r in report.read_records(self.run_dir)
@@ -466,6 +478,7 @@ class Trainer:
                     batch = self.global_batch(local)
                     valid = int(jnp.sum(batch["targets"] != IGNORE))
                     if not compiled:
+                        self.timeline.mark("data")
                         started = time.perf_counter()
                         self.compile(state, batch)
                         each = ", ".join(f"{what} {seconds:.1f} s"
@@ -475,6 +488,7 @@ class Trainer:
                                   f"{self.xla_plan.total / 2**30:.3f} GiB per device")
                         wait_for_every_process("peakflat-compiled")
                         compiled = True
+                        self.timeline.mark("compile")
                     if valid == 0:  # mean over no token: NaN; report it, keep the weights
                         bar.write(f"step {state.step + 1}: batch without a valid target, "
                                   f"skipped")
@@ -484,6 +498,9 @@ class Trainer:
                     state, metrics = self.step(state, batch)
                     loss = float(metrics["loss"])  # waits for the step
                     seconds = time.perf_counter() - started
+                    if not history:
+                        self.timeline.mark("first step")
+                        bar.write(self.timeline.line())
                     record = {
                         "loss": loss, "grad_norm": float(metrics["grad_norm"]),
                         "learning_rate": float(self.schedule(state.step - 1)),
@@ -517,6 +534,7 @@ class Trainer:
         self.final_state = state
         summary = {**self.summary([*earlier, *history], state), **throughput.summary_fields()}
         summary["resumed_from"] = resumed_from
+        summary.update(self.timeline.summary_fields())  # where the start-up went
         if jax.process_index() == 0:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         if stop.signum is not None:
@@ -647,11 +665,13 @@ def format_summary(summary: dict) -> str:
 
 
 def train(config: Config, *, resume: bool = False, overwrite: bool = False,
-          run_dir: str | None = None, progress: bool | None = None) -> dict:
+          run_dir: str | None = None, progress: bool | None = None,
+          timeline: startup.Timeline | None = None) -> dict:
     """Runs ``config`` and returns the summary (also written to run_dir/summary.json);
-    ``Trainer.run`` says what ``resume`` and ``overwrite`` do, and what a signal does."""
+    ``Trainer.run`` says what ``resume`` and ``overwrite`` do, and what a signal does;
+    ``timeline``: the start-up's phases so far (``startup``; None: the trainer opens one)."""
     if os.environ.get("PEAKFLAT_DEBUG_NANS"):
         jax.config.update("jax_debug_nans", True)
-    return Trainer(config, run_dir=run_dir).run(resume=resume, overwrite=overwrite,
-                                                progress=progress)
+    return Trainer(config, run_dir=run_dir, timeline=timeline).run(
+        resume=resume, overwrite=overwrite, progress=progress)
 
