@@ -133,6 +133,22 @@ def test_resume_is_exact(tmp_path, optimizer_offload):
     chex.assert_trees_all_equal(leaves_of(straight.final_state), leaves_of(resumed.final_state))
 
 
+@pytest.mark.parametrize("optimizer_offload", [True, False], ids=["offloaded", "device"])
+def test_the_abstract_state_is_the_made_states_shapes_and_places(optimizer_offload):
+    """What a resume restores into (nothing made) has the made state's structure, shapes,
+    dtypes, shardings and memory kinds, leaf by leaf, and the optimizer's layout."""
+    trainer = Trainer(small_config(f"operators.optimizer_offload={str(optimizer_offload).lower()}"),
+                      run_dir="unused")
+    made, abstract = trainer.initial_state(), trainer.initial_state(abstract=True)
+    made, abstract = ((s.params, s.extras, s.opt_state) for s in (made, abstract))
+    assert jax.tree.structure(abstract) == jax.tree.structure(made)
+    for a, m in zip(jax.tree.leaves(abstract), jax.tree.leaves(made)):
+        assert isinstance(a, jax.ShapeDtypeStruct)
+        assert (a.shape, a.dtype, a.sharding) == (m.shape, m.dtype, m.sharding)
+    if optimizer_offload:
+        assert abstract[2].layout == made[2].layout
+
+
 def run_cli(args, env=None, timeout=900):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
     return subprocess.run([sys.executable, "-m", "peakflat_jax.cli", *args], cwd=REPO,

@@ -47,7 +47,7 @@ from peakflat_jax.config import Config, ConfigError, to_dict
 from peakflat_jax.model.attention import choose_implementation
 from peakflat_jax.model.decoder import IGNORE
 from peakflat_jax.model.layers import Runtime
-from peakflat_jax.model.sharding import init_model
+from peakflat_jax.model.sharding import abstract_model, init_model
 from peakflat_jax.ops.sco import PerLayer
 from peakflat_jax.plan import DoesNotFit, check_plan, offload_flags
 from peakflat_jax.train import checkpoint as ckpt
@@ -143,8 +143,14 @@ class Trainer:
 
     # -- state --------------------------------------------------------------------------------
 
-    def initial_state(self) -> TrainState:
-        graphdef, state = init_model(self.config.model, self.mesh, self.config.train.seed)
+    def initial_state(self, abstract: bool = False) -> TrainState:
+        """The state at step 0: the weights from ``train.seed`` (or ``model.from_pretrained``)
+        and the optimizer's initial state. ``abstract``: ShapeDtypeStructs with the shardings
+        and memory kinds of those arrays, nothing made or read: what a resume restores into
+        (making a state only to overwrite it cost a resume the weights' initialisation and a
+        second copy of the host-resident optimizer state)."""
+        graphdef, state = (abstract_model(self.config.model, self.mesh) if abstract else
+                           init_model(self.config.model, self.mesh, self.config.train.seed))
         self.graphdef = graphdef
         params, extras = split_model_state(state)
         if self.offloaded_optimizer:
@@ -154,14 +160,18 @@ class Trainer:
             self.optimizer = _OPTIMIZERS.setdefault(key, make_offloaded(self.config.optimizer))
             # Each MoE layer's weights form their own buckets (layer groups), in both modes, so
             # that overlapping changes no bit.
-            opt_state = self.optimizer.init(params, stacked_layers=moe_stack_mask(params))
+            make = self.optimizer.abstract_state if abstract else self.optimizer.init
+            opt_state = make(params, stacked_layers=moe_stack_mask(params))
         else:
             self.optimizer = DeviceAdamW(self.config.optimizer)
             # The master and moments sharded like the params (FSDP), the step counts
             # replicated: left to itself, jit put optax's zeros on every device whole.
-            shardings = shardings_like_params(jax.eval_shape(self.optimizer.init, params),
-                                              params, NamedSharding(self.mesh, P()))
-            opt_state = jax.jit(self.optimizer.init, out_shardings=shardings)(params)
+            shapes = jax.eval_shape(self.optimizer.init, params)
+            shardings = shardings_like_params(shapes, params, NamedSharding(self.mesh, P()))
+            opt_state = (jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                        sharding=s),
+                                      shapes, shardings) if abstract else
+                         jax.jit(self.optimizer.init, out_shardings=shardings)(params))
         return TrainState(params, extras, opt_state, 0)
 
     # -- the compiled programs ------------------------------------------------------------------
@@ -446,7 +456,7 @@ class Trainer:
         wait_for_every_process("peakflat-run-dir-ready")
         checkpoints = ckpt.Checkpoints(checkpoint_dir, config)
         self.timeline.mark("setup")
-        state = self.initial_state()
+        state = self.initial_state(abstract=resume)
         resumed_from = None
         if resume:
             state = checkpoints.restore_latest(state, self.batches, self.optimizer)
