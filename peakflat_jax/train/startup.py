@@ -10,8 +10,8 @@ own mark), so they add up to the seconds from the process's start to the end of 
 - ``backend``: the distributed client and jax's backend (on a GPU, CUDA's start);
 - ``setup``: the trainer made (mesh, the planner's check, the data pipeline) and the run
   directory checked;
-- ``state``: the weights and the optimizer's state, the host-resident one too (a resume's
-  restore included);
+- ``state``: the weights and the optimizer's state, the host-resident one too (a resume:
+  restored from its checkpoint);
 - ``data``: the metrics files opened and the first batch made and put on the devices;
 - ``compile``: the step's programs compiled (or reused) and XLA's plan of each checked;
 - ``first step``: the first step run to its loss.
@@ -27,8 +27,9 @@ Compiling: every XLA compile that jax reports (``jax.monitoring``'s backend-comp
 which includes a read from the persistent cache) is added to the phase it falls in; the
 persistent cache's requests and hits likewise, where it has a directory.
 
-Why: the trainer's log lines have no timestamps, and a start whose compile and steps took a
-third of its wall time said nothing about the rest.
+Why: the trainer's log lines carry no timestamps, so the wall time of a start beyond its
+compile and its steps had no account. One line and one dict, not a profiler: they cost nothing
+and come with every run.
 """
 
 from __future__ import annotations
