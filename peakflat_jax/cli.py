@@ -94,7 +94,10 @@ def enable_compilation_cache() -> None:
     """JAX's persistent compilation cache on GPUs (PEAKFLAT_JAX_CACHE, default
     ~/.cache/peakflat_jax/xla; empty: off): a second run of a config skips XLA's compile. Not
     on CPUs unless PEAKFLAT_JAX_CACHE is set: multi-device CPU executables read back from it
-    crashed in their collectives (jax 0.11.2)."""
+    crashed in their collectives (jax 0.11.2). Every program is kept, however fast it compiled:
+    with jax's usual 1 s floor, the start's small programs (the learning-rate schedule's eager
+    ops, the initialisation's helpers, the batch's target count) were compiled again by every
+    run, most of what a warm start still compiled (``peakflat_jax.train.startup`` counts it)."""
     import jax
 
     directory = os.environ.get("PEAKFLAT_JAX_CACHE")
@@ -102,7 +105,7 @@ def enable_compilation_cache() -> None:
         directory = os.path.expanduser("~/.cache/peakflat_jax/xla")
     if directory:
         jax.config.update("jax_compilation_cache_dir", directory)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def _bench(args: argparse.Namespace) -> int:
