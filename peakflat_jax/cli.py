@@ -94,7 +94,10 @@ def enable_compilation_cache() -> None:
     """JAX's persistent compilation cache on GPUs (PEAKFLAT_JAX_CACHE, default
     ~/.cache/peakflat_jax/xla; empty: off): a second run of a config skips XLA's compile. Not
     on CPUs unless PEAKFLAT_JAX_CACHE is set: multi-device CPU executables read back from it
-    crashed in their collectives (jax 0.11.2)."""
+    crashed in their collectives (jax 0.11.2). Every program is kept, however fast it compiled:
+    with jax's usual 1 s floor, the start's small programs (the learning-rate schedule's eager
+    ops, the initialisation's helpers, the batch's target count) were compiled again by every
+    run, most of what a warm start still compiled (``peakflat_jax.train.startup`` counts it)."""
     import jax
 
     directory = os.environ.get("PEAKFLAT_JAX_CACHE")
@@ -102,7 +105,7 @@ def enable_compilation_cache() -> None:
         directory = os.path.expanduser("~/.cache/peakflat_jax/xla")
     if directory:
         jax.config.update("jax_compilation_cache_dir", directory)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -154,17 +157,24 @@ def _train(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.overrides)
     except ConfigError as error:
         raise UsageError(f"peakflat train: {error}") from None
-    # jax and the trainer only now: a bad config is answered without importing them.
+    # The trainer only now: a bad config is answered without importing it.
+    import jax
+
     from peakflat_jax import mesh
     from peakflat_jax.plan import DoesNotFit, PlanError
     from peakflat_jax.train.interrupts import Interrupted
+    from peakflat_jax.train.startup import Timeline
     from peakflat_jax.train.trainer import train
 
+    timeline = Timeline()  # where the start-up goes, from the process's start
+    timeline.mark("imports")
     try:
         mesh.initialize_distributed(config.mesh)  # before anything starts a backend
         enable_compilation_cache()
+        jax.devices()  # the backend started here (not inside the trainer's set-up)
+        timeline.mark("backend")
         train(config, resume=args.resume, overwrite=args.overwrite, run_dir=args.run_dir,
-              progress=False if args.no_progress else None)
+              progress=False if args.no_progress else None, timeline=timeline)
     except (ConfigError, PlanError) as error:
         raise UsageError(f"peakflat train: {error}") from None
     except DoesNotFit as error:  # the planner's table of terms: several lines

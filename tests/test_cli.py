@@ -6,14 +6,17 @@ which compile a trainer, are in test_train.py.)"""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
 from peakflat_jax import cli
 from peakflat_jax.train import interrupts
 from peakflat_jax.train import run_dir as run_dirs
-from tests.test_train import SMALL
+from tests.test_train import REPO, SMALL
 
 GIB = 2**30
 
@@ -194,6 +197,21 @@ def test_overwrite_clears_only_a_run_directory(capsys, tmp_path):
     run_dirs.check_run_dir(tmp_path, resume=False, overwrite=True, saved_step=None)
     run_dirs.clear_run_dir(tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_compilation_cache_keeps_even_a_program_that_compiles_at_once(tmp_path):
+    """A program of well under a second's compile is written to PEAKFLAT_JAX_CACHE too (a
+    fresh process: the cache is global to jax): a second start reads the start's small
+    programs instead of compiling them again."""
+    code = ("from peakflat_jax.cli import enable_compilation_cache; enable_compilation_cache(); "
+            "import jax, jax.numpy as jnp; "
+            "jax.jit(lambda x: x * 3 + 1)(jnp.ones(5)).block_until_ready()")
+    cache = tmp_path / "cache"
+    child = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu",
+                                             "PEAKFLAT_JAX_CACHE": str(cache)})
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert cache.is_dir() and any(cache.iterdir())
 
 
 # ----------------------------------------------------------------------------------------------

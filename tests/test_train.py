@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import chex
 import jax
@@ -76,16 +77,37 @@ def test_operators_change_no_number(tmp_path, mesh):
     assert len(results["on_losses"]) == 3
 
 
+def assert_startup_accounted(summary: dict, phases: list[str], lived: float) -> None:
+    """The summary's start-up phases (``startup``) are ``phases`` in order, none negative, and
+    add up to the first step's end, which came before the summary, within ``lived`` (seconds
+    the process lived, or the trainer ran after its first phase, as the test saw it); the
+    trainer's compile is inside the compile phase, and no phase compiled longer than it took."""
+    seconds, first_step = summary["startup_seconds"], summary["first_step_done_s"]
+    assert list(seconds) == phases, seconds
+    assert all(value >= 0 for value in seconds.values()), seconds
+    assert sum(seconds.values()) <= first_step + 1e-3 <= summary["done_s"] + 2e-3
+    assert sum(seconds.values()) - seconds[phases[0]] <= lived
+    assert seconds["compile"] >= sum(summary["compile_seconds"].values())
+    for phase, compiling in summary["startup_xla_seconds"].items():
+        assert 0 <= compiling <= seconds[phase] + 1e-3, (phase, compiling, seconds)
+
+
 @pytest.mark.slow
 def test_loss_falls_on_the_corpus(tmp_path):
+    started = time.perf_counter()
     summary = Trainer(small_config("train.steps=12", "optimizer.learning_rate=1e-2"),
                       run_dir=str(tmp_path)).run(progress=False)
+    lived = time.perf_counter() - started
     losses = summary["losses"]
     assert np.mean(losses[-3:]) < losses[0] - 0.5, losses
     assert "within documents" in summary["flops_convention"]  # the FLOPs' convention, named
     assert summary["mfu"] is None and summary["mfu_denominator"].startswith("no matmul rate")
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert 0 < record["attention_pairs_fraction"] <= 1  # the first batch's share of full causal
+    # Made in this process, not by the command: the phases before the trainer are one.
+    assert_startup_accounted(summary, ["before", "setup", "state", "data", "compile",
+                                       "first step"], lived)
+    assert summary["startup_seconds"]["first step"] >= record["step_seconds"]
     assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "summary.json").exists()
     assert any(p.name.startswith("events") for p in (tmp_path / "tensorboard").iterdir())
 
@@ -109,6 +131,22 @@ def test_resume_is_exact(tmp_path, optimizer_offload):
     assert half["losses"] == summary["losses"][:3] and whole["losses"] == summary["losses"]
     assert whole["resumed_from"] == 3 and whole["steps"] == 6
     chex.assert_trees_all_equal(leaves_of(straight.final_state), leaves_of(resumed.final_state))
+
+
+@pytest.mark.parametrize("optimizer_offload", [True, False], ids=["offloaded", "device"])
+def test_the_abstract_state_is_the_made_states_shapes_and_places(optimizer_offload):
+    """What a resume restores into (nothing made) has the made state's structure, shapes,
+    dtypes, shardings and memory kinds, leaf by leaf, and the optimizer's layout."""
+    trainer = Trainer(small_config(f"operators.optimizer_offload={str(optimizer_offload).lower()}"),
+                      run_dir="unused")
+    made, abstract = trainer.initial_state(), trainer.initial_state(abstract=True)
+    made, abstract = ((s.params, s.extras, s.opt_state) for s in (made, abstract))
+    assert jax.tree.structure(abstract) == jax.tree.structure(made)
+    for a, m in zip(jax.tree.leaves(abstract), jax.tree.leaves(made)):
+        assert isinstance(a, jax.ShapeDtypeStruct)
+        assert (a.shape, a.dtype, a.sharding) == (m.shape, m.dtype, m.sharding)
+    if optimizer_offload:
+        assert abstract[2].layout == made[2].layout
 
 
 def run_cli(args, env=None, timeout=900):
@@ -141,13 +179,20 @@ def test_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path
     assert "2" in steps and "4" not in steps, steps  # 4 never completed
     logged = read_metrics(tmp_path)
     assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    started = time.perf_counter()
     resumed = run_cli([*common, "--resume"])
+    lived = time.perf_counter() - started
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     again = read_metrics(tmp_path)
     assert [r["step"] for r in again] == [1, 2, 3, 4]  # steps 3 and 4 once, computed again
     assert [r["loss"] for r in again] == [r["loss"] for r in logged]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["resumed_from"] == 2
+    # The command's start-up, the restore in "state", and its one line on stderr.
+    assert_startup_accounted(summary, ["imports", "backend", "setup", "state", "data",
+                                       "compile", "first step"], lived)
+    assert summary["first_step_done_s"] <= lived
+    assert f"started in {summary['first_step_done_s']:.1f} s: imports " in resumed.stderr
     assert summary["losses"] == [r["loss"] for r in logged]
     before = snapshot(tmp_path)
     finished = run_cli([*common, "--resume"], timeout=120)

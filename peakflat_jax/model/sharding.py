@@ -66,3 +66,14 @@ def init_model(config: ModelConfig, mesh: Mesh, seed: int):
     shardings = state_shardings(abstract, mesh)
     state = jax.jit(lambda: nnx.split(make())[1], out_shardings=shardings)()
     return graphdef, state
+
+
+def abstract_model(config: ModelConfig, mesh: Mesh):
+    """(graphdef, state) as ``init_model`` gives them, the state as ShapeDtypeStructs with their
+    shardings: nothing is computed or read (a checkpoint's restore target)."""
+    padded = mop.padded_vocab(config.vocab_size, mop.num_devices(mesh))
+    graphdef, abstract = nnx.split(nnx.eval_shape(
+        lambda: MoEDecoder(config, padded_vocab=padded, rngs=nnx.Rngs(0))))
+    return graphdef, jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        abstract, state_shardings(abstract, mesh))

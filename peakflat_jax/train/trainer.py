@@ -17,6 +17,9 @@ each batch by ``model.size``'s convention, attention within documents; MFU of th
 measured matmul rate, ``train.metrics``), peak device memory, host memory. A batch without a
 valid target is reported and skipped (its mean loss is NaN).
 
+After the first step, one line says where the start-up went, phase by phase since the
+process's start (``startup``; summary.json's ``startup_seconds``).
+
 A run directory holds one run (``run_dir``: what it holds, when a run may use it; checkpoints at
 the end, every ``train.checkpoint_every`` steps and when interrupted), and SIGINT or SIGTERM
 stops a run after the step in flight with a checkpoint saved (``interrupts``).
@@ -44,12 +47,12 @@ from peakflat_jax.config import Config, ConfigError, to_dict
 from peakflat_jax.model.attention import choose_implementation
 from peakflat_jax.model.decoder import IGNORE
 from peakflat_jax.model.layers import Runtime
-from peakflat_jax.model.sharding import init_model
+from peakflat_jax.model.sharding import abstract_model, init_model
 from peakflat_jax.ops.sco import PerLayer
 from peakflat_jax.plan import DoesNotFit, check_plan, offload_flags
 from peakflat_jax.train import checkpoint as ckpt
 from peakflat_jax.train import data as data_pipeline
-from peakflat_jax.train import interrupts
+from peakflat_jax.train import interrupts, startup
 from peakflat_jax.train import metrics as report
 from peakflat_jax.train import run_dir as run_dirs
 from peakflat_jax.train.optimizer import (
@@ -118,7 +121,12 @@ def split_model_state(state):
 class Trainer:
     """One run: ``Trainer(config).run(resume=False) -> summary``."""
 
-    def __init__(self, config: Config, *, run_dir: str | None = None):
+    def __init__(self, config: Config, *, run_dir: str | None = None,
+                 timeline: startup.Timeline | None = None):
+        if timeline is None:  # made without the command: the process's start to here, as one
+            timeline = startup.Timeline()
+            timeline.mark("before")
+        self.timeline = timeline  # where the start-up goes, phase by phase (``startup``)
         mop.initialize_distributed(config.mesh)
         self.mesh = mop.make_mesh(config.mesh)
         mop.check_model_fits_mesh(config, self.mesh)
@@ -145,8 +153,14 @@ class Trainer:
 
     # -- state --------------------------------------------------------------------------------
 
-    def initial_state(self) -> TrainState:
-        graphdef, state = init_model(self.config.model, self.mesh, self.config.train.seed)
+    def initial_state(self, abstract: bool = False) -> TrainState:
+        """The state at step 0: the weights from ``train.seed`` (or ``model.from_pretrained``)
+        and the optimizer's initial state. ``abstract``: ShapeDtypeStructs with the shardings
+        and memory kinds of those arrays, nothing made or read: what a resume restores into
+        (making a state only to overwrite it cost a resume the weights' initialisation and a
+        second copy of the host-resident optimizer state)."""
+        graphdef, state = (abstract_model(self.config.model, self.mesh) if abstract else
+                           init_model(self.config.model, self.mesh, self.config.train.seed))
         self.graphdef = graphdef
         params, extras = split_model_state(state)
         if self.offloaded_optimizer:
@@ -156,14 +170,18 @@ class Trainer:
             self.optimizer = _OPTIMIZERS.setdefault(key, make_offloaded(self.config.optimizer))
             # Each MoE layer's weights form their own buckets (layer groups), in both modes, so
             # that overlapping changes no bit.
-            opt_state = self.optimizer.init(params, stacked_layers=moe_stack_mask(params))
+            make = self.optimizer.abstract_state if abstract else self.optimizer.init
+            opt_state = make(params, stacked_layers=moe_stack_mask(params))
         else:
             self.optimizer = DeviceAdamW(self.config.optimizer)
             # The master and moments sharded like the params (FSDP), the step counts
             # replicated: left to itself, jit put optax's zeros on every device whole.
-            shardings = shardings_like_params(jax.eval_shape(self.optimizer.init, params),
-                                              params, NamedSharding(self.mesh, P()))
-            opt_state = jax.jit(self.optimizer.init, out_shardings=shardings)(params)
+            shapes = jax.eval_shape(self.optimizer.init, params)
+            shardings = shardings_like_params(shapes, params, NamedSharding(self.mesh, P()))
+            opt_state = (jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                        sharding=s),
+                                      shapes, shardings) if abstract else
+                         jax.jit(self.optimizer.init, out_shardings=shardings)(params))
         return TrainState(params, extras, opt_state, 0)
 
     # -- the compiled programs ------------------------------------------------------------------
@@ -447,11 +465,15 @@ class Trainer:
             run_dirs.clear_run_dir(self.run_dir)
         wait_for_every_process("peakflat-run-dir-ready")
         checkpoints = ckpt.Checkpoints(checkpoint_dir, config)
-        state = self.initial_state()
+        self.timeline.mark("setup")
+        state = self.initial_state(abstract=resume)
         resumed_from = None
         if resume:
             state = checkpoints.restore_latest(state, self.batches, self.optimizer)
             resumed_from = state.step
+        # Made, not only dispatched: the phase holds the state's own time.
+        jax.block_until_ready((state.params, state.extras, state.opt_state))
+        self.timeline.mark("state")
         # The records of the steps before the resume, for the summary of the whole run (those
         # of later steps, which this run computes again, are dropped).
         earlier = [r for r in report.read_records(self.run_dir)
@@ -476,6 +498,7 @@ class Trainer:
                     batch = self.global_batch(local)
                     valid = int(jnp.sum(batch["targets"] != IGNORE))
                     if not compiled:
+                        self.timeline.mark("data")
                         started = time.perf_counter()
                         self.compile(state, batch)
                         each = ", ".join(f"{what} {seconds:.1f} s"
@@ -485,6 +508,7 @@ class Trainer:
                                   f"{self.xla_plan.total / 2**30:.3f} GiB per device")
                         wait_for_every_process("peakflat-compiled")
                         compiled = True
+                        self.timeline.mark("compile")
                     if valid == 0:  # mean over no token: NaN; report it, keep the weights
                         bar.write(f"step {state.step + 1}: batch without a valid target, "
                                   f"skipped")
@@ -494,6 +518,9 @@ class Trainer:
                     state, metrics = self.step(state, batch)
                     loss = float(metrics["loss"])  # waits for the step
                     seconds = time.perf_counter() - started
+                    if not history:
+                        self.timeline.mark("first step")
+                        bar.write(self.timeline.line())
                     record = {
                         "loss": loss, "grad_norm": float(metrics["grad_norm"]),
                         "learning_rate": float(self.schedule(state.step - 1)),
@@ -527,6 +554,7 @@ class Trainer:
         self.final_state = state
         summary = {**self.summary([*earlier, *history], state), **throughput.summary_fields()}
         summary["resumed_from"] = resumed_from
+        summary.update(self.timeline.summary_fields())  # where the start-up went
         if jax.process_index() == 0:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         if stop.signum is not None:
@@ -659,11 +687,13 @@ def format_summary(summary: dict) -> str:
 
 
 def train(config: Config, *, resume: bool = False, overwrite: bool = False,
-          run_dir: str | None = None, progress: bool | None = None) -> dict:
+          run_dir: str | None = None, progress: bool | None = None,
+          timeline: startup.Timeline | None = None) -> dict:
     """Runs ``config`` and returns the summary (also written to run_dir/summary.json);
-    ``Trainer.run`` says what ``resume`` and ``overwrite`` do, and what a signal does."""
+    ``Trainer.run`` says what ``resume`` and ``overwrite`` do, and what a signal does;
+    ``timeline``: the start-up's phases so far (``startup``; None: the trainer opens one)."""
     if os.environ.get("PEAKFLAT_DEBUG_NANS"):
         jax.config.update("jax_debug_nans", True)
-    return Trainer(config, run_dir=run_dir).run(resume=resume, overwrite=overwrite,
-                                                progress=progress)
+    return Trainer(config, run_dir=run_dir, timeline=timeline).run(
+        resume=resume, overwrite=overwrite, progress=progress)
 
