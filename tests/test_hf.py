@@ -23,7 +23,7 @@ from peakflat_jax.hf.export import export_pretrained
 from peakflat_jax.hf.load import CheckpointError
 from peakflat_jax.model.decoder import IGNORE
 from peakflat_jax.model.sharding import init_model
-from peakflat_jax.train.trainer import runtime_for
+from peakflat_jax.train.trainer import boundary_offload, runtime_for
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TORCH_REFERENCE = REPO / "peakflat_jax" / "hf" / "torch_reference.py"
@@ -44,10 +44,14 @@ MODELS = {
         norm_topk_prob=False, tie_word_embeddings=True,
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
 }
-# Operators on: PipelinedLLEP in several chunks, the ring loss; off: plain EP, materialized.
+# Operators on: PipelinedLLEP in several chunks, the ring loss, every boundary offloaded, the
+# streamed optimizer; off: plain EP, materialized, none offloaded, optax on the device. Forced:
+# left to the planner (``auto``, the default), they would be whatever fits the CPU's memory.
 OPERATORS = {"on": ["operators.moe_dispatch=pipelined", "operators.token_budget=2",
-                    "operators.loss=ring"],
-             "off": ["operators.moe_dispatch=ep", "operators.loss=materialized"]}
+                    "operators.loss=ring", "operators.offload=all",
+                    "operators.optimizer_offload=true"],
+             "off": ["operators.moe_dispatch=ep", "operators.loss=materialized",
+                     "operators.offload=none", "operators.optimizer_offload=false"]}
 
 
 def run_torch(python: str, jobs: list[dict], directory: pathlib.Path) -> None:
@@ -92,7 +96,7 @@ def forward(config, tokens):
     mesh = mop.make_mesh(config.mesh)
     graphdef, state = init_model(config.model, mesh, seed=0)
     run = runtime_for(config, mesh)
-    offload = (False,) * config.model.num_layers
+    offload = boundary_offload(config, mesh)
     batch = batch_of(tokens)
 
     @jax.jit
@@ -248,7 +252,8 @@ def test_fine_tune_then_export_hf(references, torch_python, tmp_path):
                                                                         "tokens.npy"),
                                   out=str(tmp_path / "trained.npz"))], tmp_path)
     theirs = np.load(tmp_path / "trained.npz")
-    ours, loss, _ = forward(config_for(tmp_path / "out", tmp_path), references["tokens"])
+    ours, loss, _ = forward(config_for(tmp_path / "out", tmp_path, OPERATORS["off"]),
+                           references["tokens"])
     assert relative(ours, theirs["logits"]) < 1e-5
     assert abs(loss - float(theirs["loss"])) < 1e-5 * abs(float(theirs["loss"]))
     assert relative(theirs["logits"], untrained["logits"]) > 1e-3
