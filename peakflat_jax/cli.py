@@ -80,12 +80,24 @@ def resume_command(argv: list[str]) -> str:
     return shlex.join(["peakflat", *words, "--resume"])
 
 
+CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+"""XLA:CPU's concurrency-optimized scheduler off: with it (jax 0.11.2's default) the trainer's
+gradient program with the ring loss, SCO offloading and PipelinedLLEP together gave wrong
+gradients on some executions of one executable, the loss right (docs/hf.md holds the record).
+XLA reads it once per process, before its backends start, so it is set here."""
+
+
 def _prepare_environment() -> None:
     """Before jax's backends start: 8 simulated devices where the backend is the CPU (ignored by GPU
-    backends), and room for the largest baselines on a GPU (JAX reserves 75% by default)."""
+    backends), XLA:CPU's concurrency-optimized scheduler off (``CPU_SCHEDULER_FLAG``; a CPU
+    flag, ignored by GPU backends too), and room for the largest baselines on a GPU (JAX
+    reserves 75% by default)."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+        flags = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
+        flags = f"{flags} {CPU_SCHEDULER_FLAG}"
+    os.environ["XLA_FLAGS"] = flags
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 

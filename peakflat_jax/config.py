@@ -59,11 +59,25 @@ class ModelConfig:
     """Width of one attention head."""
     rope_theta: float = 10000.0
     """RoPE base."""
-    rope_scaling: Literal["none", "linear", "ntk"] = "none"
+    rope_scaling: Literal["none", "linear", "ntk", "yarn"] = "none"
     """Long-context RoPE scaling: ``linear`` divides positions by ``rope_scaling_factor``
-    (position interpolation); ``ntk`` raises the base to theta * factor^(d / (d - 2))."""
+    (position interpolation); ``ntk`` raises the base to theta * factor^(d / (d - 2));
+    ``yarn`` (gpt-oss) interpolates the low frequencies by the factor, keeps the high ones,
+    ramps between (``rope_beta_fast``, ``rope_beta_slow``) and scales the rotated q and k by
+    0.1 ln(factor) + 1 (transformers' ``_compute_yarn_parameters``)."""
     rope_scaling_factor: float = 1.0
     """The context-extension factor of ``rope_scaling``."""
+    rope_original_context: int = 4096
+    """``yarn``: the context the model was pretrained at (config.json's
+    ``original_max_position_embeddings``), which places the ramp."""
+    rope_beta_fast: float = 32.0
+    """``yarn``: rotations over the original context above which a frequency is kept as it
+    is."""
+    rope_beta_slow: float = 1.0
+    """``yarn``: rotations over the original context below which a frequency is interpolated
+    (divided by the factor)."""
+    rope_truncate: bool = True
+    """``yarn``: round the ramp's ends to whole dimensions (gpt-oss: false)."""
     num_experts: int = 16
     """E, routed experts per MoE layer."""
     top_k: int = 2
@@ -93,6 +107,32 @@ class ModelConfig:
     """RMSNorm (a learned scale of ``head_dim``, shared by the heads) on every query and key head
     after its projection and before RoPE (Qwen3's q_norm / k_norm), which keeps the attention
     logits bounded whatever the projections' growth."""
+    attention_bias: bool = False
+    """Biases on the query, key, value and output projections (gpt-oss)."""
+    attention_sinks: bool = False
+    """A learned logit per query head that joins each of the head's attention softmaxes as one
+    more column with no value (gpt-oss's sinks): a query can give part of its weight to
+    nothing. Attention on the XLA kernel only (cuDNN's has no sinks: refused)."""
+    sliding_window: int = 0
+    """Keys a query of a sliding-window layer sees, itself included (token i sees
+    i - window + 1 ... i, within its document); 0: every layer attends over the whole
+    document. XLA attention only (refused on cuDNN's packed kernel)."""
+    sliding_window_layers: Literal["all", "even"] = "all"
+    """Which layers slide (with ``sliding_window``): every one, or layers 0, 2, 4, ... with
+    the others over the whole document (gpt-oss's alternation)."""
+    router_logit_bias: bool = False
+    """A learned bias on the router's logits, trained like any weight (gpt-oss; not the
+    balancing bias of ``router_bias_rate``, which moves the choice only)."""
+    expert_bias: bool = False
+    """Biases on every routed expert's gate, up and down projections (gpt-oss)."""
+    expert_activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    """The routed experts' gated unit: ``swiglu``, silu(gate) * up; ``clamped_swiglu``
+    (gpt-oss), g sigmoid(alpha g) * (u + 1) with g = min(gate, limit) and u = up clipped to
+    [-limit, limit] (``swiglu_alpha``, ``swiglu_limit``)."""
+    swiglu_alpha: float = 1.702
+    """``clamped_swiglu``'s sigmoid slope (config.json's ``swiglu_alpha``)."""
+    swiglu_limit: float = 7.0
+    """``clamped_swiglu``'s clamp (config.json's ``swiglu_limit``)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Working dtype of parameters and activations (optimizer state is fp32 either way)."""
     init_std: float = 0.02
@@ -112,11 +152,11 @@ class ModelConfig:
     fan-in scaling, MaxText's logits dense)."""
     from_pretrained: str | None = None
     """A local Hugging Face checkpoint directory (config.json and *.safetensors) of the
-    Mixtral or Qwen3-MoE family to start from: its config.json sets the architecture fields of
-    this section (``peakflat_jax.hf``; a field set here to another value than the checkpoint's
-    is an error, as is a feature of the checkpoint that the model lacks), and its weights
-    replace the initialisation (``dtype`` and the init fields are this section's). None: a
-    random initialisation."""
+    Mixtral, Qwen3-MoE or gpt-oss family to start from: its config.json sets the architecture
+    fields of this section (``peakflat_jax.hf``; a field set here to another value than the
+    checkpoint's is an error, as is a feature of the checkpoint that the model lacks), and its
+    weights replace the initialisation (``dtype`` and the init fields are this section's).
+    None: a random initialisation."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -518,6 +558,7 @@ def check_config(config: Config) -> Config:
     nonnegative = [("model.num_dense_layers", m.num_dense_layers),
                    ("model.shared_expert_ffn", m.shared_expert_ffn),
                    ("model.router_bias_rate", m.router_bias_rate),
+                   ("model.sliding_window", m.sliding_window),
                    ("optimizer.warmup_steps", opt.warmup_steps),
                    ("optimizer.weight_decay", opt.weight_decay),
                    ("optimizer.learning_rate", opt.learning_rate),
@@ -542,6 +583,12 @@ def check_config(config: Config) -> Config:
                        ("model.head_init_std", m.head_init_std)):
         if value is not None and not (value >= 0 and math.isfinite(value)):
             raise ConfigError(f"{key}: expected a finite non-negative number, got {value}")
+    if not (m.swiglu_limit > 0 and math.isfinite(m.swiglu_limit)):
+        raise ConfigError(f"model.swiglu_limit: expected a finite positive number, got "
+                          f"{m.swiglu_limit}")
+    if m.rope_scaling == "yarn" and m.rope_original_context < 1:
+        raise ConfigError(f"model.rope_original_context: expected a positive integer, got "
+                          f"{m.rope_original_context}")
     if m.rope_scaling_factor < 1 or not math.isfinite(m.rope_scaling_factor):
         raise ConfigError(f"model.rope_scaling_factor: expected a finite number >= 1, got "
                           f"{m.rope_scaling_factor}")

@@ -62,19 +62,34 @@ def _reduce(losses, ignored, reduction: str, axis_name):
 
 
 def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                   w_down: jax.Array) -> jax.Array:
+                   w_down: jax.Array, biases=None, activation: str = "swiglu",
+                   swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> jax.Array:
     """Every expert applied to every token: ``[E, N, H]``,
-    ``ffn_e(v) = (silu(v @ w_gate[e]) * (v @ w_up[e])) @ w_down[e]``."""
+    ``ffn_e(v) = (silu(v @ w_gate[e]) * (v @ w_up[e])) @ w_down[e]``; with ``biases``
+    (b_gate, b_up [E, F], b_down [E, H]) each projection adds its expert's; ``activation=
+    "clamped_swiglu"``: gpt-oss's unit, g sigmoid(alpha g) (u + 1) of g = min(gate, limit),
+    u = clip(up, -limit, limit)."""
     gate = jnp.einsum("nh,ehf->enf", x, w_gate)
     up = jnp.einsum("nh,ehf->enf", x, w_up)
-    return jnp.einsum("enf,efh->enh", jax.nn.silu(gate) * up, w_down)
+    if biases is not None:
+        gate, up = gate + biases[0][:, None], up + biases[1][:, None]
+    if activation == "swiglu":
+        hidden = jax.nn.silu(gate) * up
+    else:
+        gate = jnp.clip(gate, None, swiglu_limit)
+        up = jnp.clip(up, -swiglu_limit, swiglu_limit)
+        hidden = gate * jax.nn.sigmoid(swiglu_alpha * gate) * (up + 1)
+    out = jnp.einsum("enf,efh->enh", hidden, w_down)
+    return out if biases is None else out + biases[2][:, None]
 
 
 def mixture_of_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
-                       w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+                       w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                       **ffn_options) -> jax.Array:
     """``y[n] = sum_j gates[n, j] * ffn_{expert_ids[n, j]}(x[n])`` with all E experts' weights
-    ([E, H, F], [E, H, F], [E, F, H]) on one device: x [N, H], expert_ids and gates [N, k]."""
-    outputs = swiglu_experts(x, w_gate, w_up, w_down)  # [E, N, H]
+    ([E, H, F], [E, H, F], [E, F, H]) on one device: x [N, H], expert_ids and gates [N, k];
+    ``ffn_options``: ``swiglu_experts``' biases and activation."""
+    outputs = swiglu_experts(x, w_gate, w_up, w_down, **ffn_options)  # [E, N, H]
     num_experts = w_gate.shape[0]
     # weight[e, n] = sum of the gates of n's slots that chose e (a slot may repeat an expert).
     weight = jnp.einsum("nk,nke->en", gates, jax.nn.one_hot(expert_ids, num_experts,

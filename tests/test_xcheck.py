@@ -150,6 +150,16 @@ def test_bad_dtype_is_refused_before_compiling(tmp_path):
     assert not (tmp_path / "manifest.json").exists()
 
 
+def test_fields_the_torch_side_lacks_are_refused_before_compiling(tmp_path):
+    """gpt-oss's fields: torch_side.py does not implement them, so a check would hold the model
+    to one without them (tests/test_hf.py checks them against transformers instead)."""
+    from peakflat_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^model.attention_sinks: True is not modelled"):
+        export(tmp_path, overrides=("model.attention_sinks=true",))
+    assert not (tmp_path / "manifest.json").exists()
+
+
 def test_run_without_torch_prints_the_torch_command(exported_fp32, tmp_path, monkeypatch,
                                                     capsys):
     """Where this Python has no torch (the project's venv), `peakflat xcheck run` exports and

@@ -1,20 +1,25 @@
-"""A Hugging Face config.json and our ModelConfig, both ways, for the Mixtral and Qwen3-MoE
-families.
+"""A Hugging Face config.json and our ModelConfig, both ways, for the Mixtral, Qwen3-MoE and
+gpt-oss families.
 
 ``model_config_from_hf`` reads the architecture (widths, heads, experts, RoPE, norms, tying) into
 ModelConfig's fields and refuses, with one line naming the HF field, whatever the decoder cannot
-compute as transformers does (a RoPE scaling other than linear, attention biases, a sliding
-window, a non-SwiGLU activation, dense layers anywhere but first). Fields that only shape
-training in transformers (dropout, router jitter, the auxiliary loss's coefficient, cache
-flags) are ignored: a fine-tune here has none of them. ``hf_config_from_model`` writes the
-config.json of a family back, over the checkpoint's own when there is one (keeping its token
-ids, context length and the like).
+compute as transformers does (a RoPE scaling other than linear or YaRN, Mixtral's and Qwen3's
+attention biases and sliding windows, a non-SwiGLU activation, dense layers anywhere but first,
+a gpt-oss layer pattern other than all full, all sliding or alternating from a sliding first,
+quantized tensors). Fields that only shape training in transformers (dropout, router jitter, the
+auxiliary loss's coefficient, cache flags) are ignored: a fine-tune here has none of them.
+``hf_config_from_model`` writes the config.json of a family back, over the checkpoint's own when
+there is one (keeping its token ids, context length and the like).
 
-The families, in transformers' code (5.x): both are pre-norm decoders with RMSNorm, GQA
-attention with rotate-half RoPE and SwiGLU experts routed by the top-k of a softmax over all
+The families, in transformers' code (5.x): all are pre-norm decoders with RMSNorm, GQA
+attention with rotate-half RoPE and gated experts routed by the top-k of a softmax over all
 experts; Mixtral renormalizes the k gates, Qwen3-MoE does when ``norm_topk_prob``, adds an
 RMSNorm on each query and key head, and may make some layers dense (``mlp_only_layers``,
-``decoder_sparse_step``).
+``decoder_sparse_step``). gpt-oss softmaxes the top-k router logits (the renormalized gates of
+the full softmax, the same function), with a bias on the logits; it has biases on the attention
+projections (``attention_bias``) and the experts, attention sinks, sliding-window layers
+(``layer_types``, ``sliding_window``), YaRN RoPE and a clamped SwiGLU (``swiglu_alpha``,
+``swiglu_limit``).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 
 from peakflat_jax.config import Config, ConfigError, ModelConfig
 
-FAMILIES = ("mixtral", "qwen3_moe")
+FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
 """The ``model_type`` values that can be imported and exported."""
 
 ARCHITECTURE_FIELDS = (
@@ -34,6 +39,9 @@ ARCHITECTURE_FIELDS = (
     "num_kv_heads", "head_dim", "rope_theta", "rope_scaling", "rope_scaling_factor",
     "num_experts", "top_k", "expert_ffn", "shared_expert_ffn", "router_score",
     "router_renormalize", "routed_scale", "tie_embeddings", "norm_eps", "qk_norm",
+    "rope_original_context", "rope_beta_fast", "rope_beta_slow", "rope_truncate",
+    "attention_bias", "attention_sinks", "sliding_window", "sliding_window_layers",
+    "router_logit_bias", "expert_bias", "expert_activation", "swiglu_alpha", "swiglu_limit",
 )
 """The ModelConfig fields a checkpoint's config.json decides."""
 
@@ -53,9 +61,10 @@ def _refuse(field: str, value: Any, why: str) -> ConfigError:
     return ConfigError(f"config.json {field}: {value!r} is not supported ({why})")
 
 
-def _rope(hf: dict) -> tuple[float, str, float]:
-    """(theta, our rope_scaling, factor) from ``rope_parameters`` (transformers 5) or the older
-    ``rope_theta`` + ``rope_scaling``."""
+def _rope(hf: dict) -> dict[str, Any]:
+    """Our RoPE fields from ``rope_parameters`` (transformers 5) or the older ``rope_theta`` +
+    ``rope_scaling``: default, linear, or YaRN (its attention factor the one transformers
+    derives from the factor: an explicit one, or DeepSeek's mscale pair, is refused)."""
     params = hf.get("rope_parameters")
     field = "rope_parameters"
     if params is None:
@@ -63,11 +72,55 @@ def _rope(hf: dict) -> tuple[float, str, float]:
         field = "rope_scaling"
     kind = params.get("rope_type", params.get("type", "default"))
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    defaults = ModelConfig()
+    out = dict(rope_theta=theta, rope_scaling="none", rope_scaling_factor=1.0,
+               rope_original_context=defaults.rope_original_context,
+               rope_beta_fast=defaults.rope_beta_fast, rope_beta_slow=defaults.rope_beta_slow,
+               rope_truncate=defaults.rope_truncate)
     if kind == "default":
-        return theta, "none", 1.0
+        return out
     if kind == "linear":
-        return theta, "linear", float(params["factor"])
-    raise _refuse(f"{field}.rope_type", kind, "the model's RoPE takes default or linear")
+        return {**out, "rope_scaling": "linear", "rope_scaling_factor": float(params["factor"])}
+    if kind != "yarn":
+        raise _refuse(f"{field}.rope_type", kind, "the model's RoPE takes default, linear or "
+                      "yarn")
+    for name in ("attention_factor", "mscale", "mscale_all_dim"):
+        if params.get(name) is not None:
+            raise _refuse(f"{field}.{name}", params[name], "YaRN's attention factor is "
+                          "derived from its factor here")
+    if params.get("factor") is None:
+        raise _refuse(f"{field}.factor", None, "YaRN needs its factor")
+    return {**out, "rope_scaling": "yarn", "rope_scaling_factor": float(params["factor"]),
+            "rope_original_context": int(params["original_max_position_embeddings"]),
+            "rope_beta_fast": float(params.get("beta_fast") or 32),
+            "rope_beta_slow": float(params.get("beta_slow") or 1),
+            "rope_truncate": bool(params.get("truncate", True))}
+
+
+def _gpt_oss_fields(hf: dict, num_layers: int) -> dict[str, Any]:
+    """gpt-oss's fields (module doc); its layer pattern refused naming ``layer_types`` unless
+    all full, all sliding, or alternating from a sliding layer 0 (transformers' default)."""
+    types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                      for i in range(num_layers)]
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                   for i in range(num_layers)]
+    window, layers = int(hf.get("sliding_window") or 0), "all"
+    if all(t == "full_attention" for t in types):
+        window = 0
+    else:
+        if types == alternating and num_layers > 1:
+            layers = "even"
+        elif not all(t == "sliding_attention" for t in types):
+            raise _refuse("layer_types", types, "sliding layers are all, none, or the even "
+                          "ones")
+        if window < 1:
+            raise _refuse("sliding_window", hf.get("sliding_window"), "sliding layers need a "
+                          "window")
+    return dict(attention_bias=bool(hf.get("attention_bias", True)), attention_sinks=True,
+                sliding_window=window, sliding_window_layers=layers, router_logit_bias=True,
+                expert_bias=True, expert_activation="clamped_swiglu",
+                swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+                swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
 
 
 def _num_dense_layers(hf: dict, num_layers: int) -> int:
@@ -91,16 +144,31 @@ def model_config_from_hf(hf: dict, base: ModelConfig | None = None) -> ModelConf
         raise _refuse("model_type", family, f"expected one of {list(FAMILIES)}")
     if hf.get("hidden_act", "silu") != "silu":
         raise _refuse("hidden_act", hf["hidden_act"], "the FFNs are SwiGLU (silu)")
-    if hf.get("attention_bias"):
-        raise _refuse("attention_bias", True, "the attention projections have no bias")
+    if hf.get("quantization_config") is not None:
+        method = (hf["quantization_config"] or {}).get("quant_method")
+        if not (family == "gpt_oss" and method == "mxfp4"):  # gpt-oss's own: dequantized
+            raise _refuse("quantization_config.quant_method", method, "of quantizations, "
+                          "gpt-oss's MXFP4 experts are read; dequantize others first")
+    if family != "gpt_oss" and hf.get("attention_bias"):
+        raise _refuse("attention_bias", True, f"{family} has no attention biases here")
     window = hf.get("sliding_window")
     if window is not None and (family == "mixtral" or hf.get("use_sliding_window")):
-        raise _refuse("sliding_window", window, "attention is causal over whole documents")
+        raise _refuse("sliding_window", window, f"{family}'s sliding windows are not mapped "
+                      f"(gpt-oss's are)")
     heads = int(hf["num_attention_heads"])
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    theta, scaling, factor = _rope(hf)
     num_layers = int(hf["num_hidden_layers"])
-    if family == "mixtral":
+    defaults = ModelConfig()
+    extra = {name: getattr(defaults, name) for name in (
+        "attention_bias", "attention_sinks", "sliding_window", "sliding_window_layers",
+        "router_logit_bias", "expert_bias", "expert_activation", "swiglu_alpha",
+        "swiglu_limit")}
+    if family == "gpt_oss":
+        experts = hf["num_local_experts"]
+        expert_ffn, dense, dense_ffn = hf["intermediate_size"], 0, base.dense_ffn
+        renormalize, qk_norm = True, False
+        extra = _gpt_oss_fields(hf, num_layers)
+    elif family == "mixtral":
         experts = hf.get("num_local_experts", hf.get("num_experts"))
         expert_ffn, dense, dense_ffn = hf["intermediate_size"], 0, base.dense_ffn
         renormalize, qk_norm = True, False
@@ -113,8 +181,7 @@ def model_config_from_hf(hf: dict, base: ModelConfig | None = None) -> ModelConf
         vocab_size=int(hf["vocab_size"]), hidden=int(hf["hidden_size"]), num_layers=num_layers,
         num_dense_layers=dense, dense_ffn=int(dense_ffn), num_heads=heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or heads), head_dim=int(head_dim),
-        rope_theta=theta, rope_scaling=scaling, rope_scaling_factor=factor,
-        num_experts=int(experts), top_k=int(hf["num_experts_per_tok"]),
+        **_rope(hf), **extra, num_experts=int(experts), top_k=int(hf["num_experts_per_tok"]),
         expert_ffn=int(expert_ffn), shared_expert_ffn=0, router_score="softmax",
         router_renormalize=renormalize, routed_scale=1.0,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -150,15 +217,31 @@ def resolve_pretrained(config: Config, explicit: set[str] | None = None) -> Conf
     return dataclasses.replace(config, model=resolved, data=data)
 
 
+GPT_OSS_FIELDS = (("attention_sinks", True), ("router_logit_bias", True), ("expert_bias", True),
+                  ("expert_activation", "clamped_swiglu"))
+"""The fields that make a model gpt-oss (each, as gpt-oss has it, the others' defaults)."""
+
+
 def family_of(config: ModelConfig) -> str:
-    """The family whose config.json can express ``config``: Qwen3-MoE with q/k norms, Mixtral
-    without; ConfigError naming the field neither can express."""
-    family = "qwen3_moe" if config.qk_norm else "mixtral"
+    """The family whose config.json can express ``config``: gpt-oss with any of its own fields
+    (``GPT_OSS_FIELDS``: then it needs all of them), else Qwen3-MoE with q/k norms, Mixtral
+    without; ConfigError naming the field the family cannot express."""
+    gpt_oss = any(getattr(config, name) == value for name, value in GPT_OSS_FIELDS)
+    family = "gpt_oss" if gpt_oss else "qwen3_moe" if config.qk_norm else "mixtral"
     unsupported = [("shared_expert_ffn", config.shared_expert_ffn, 0),
                    ("router_score", config.router_score, "softmax"),
                    ("routed_scale", config.routed_scale, 1.0)]
     if config.rope_scaling == "ntk":
-        unsupported.append(("rope_scaling", "ntk", "none or linear"))
+        unsupported.append(("rope_scaling", "ntk", "none, linear or yarn"))
+    if family == "gpt_oss":
+        unsupported += [(name, getattr(config, name), value) for name, value in GPT_OSS_FIELDS]
+        unsupported += [("num_dense_layers", config.num_dense_layers, 0),
+                        ("qk_norm", config.qk_norm, False),
+                        ("router_renormalize", config.router_renormalize, True)]
+    else:
+        defaults = ModelConfig()
+        unsupported += [(name, getattr(config, name), getattr(defaults, name)) for name in (
+            "attention_bias", "sliding_window")]
     if family == "mixtral":
         unsupported += [("num_dense_layers", config.num_dense_layers, 0),
                         ("router_renormalize", config.router_renormalize, True)]
@@ -169,6 +252,22 @@ def family_of(config: ModelConfig) -> str:
     return family
 
 
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "gpt_oss": "GptOssForCausalLM"}
+
+
+def _rope_parameters(config: ModelConfig) -> dict[str, Any]:
+    rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
+    if config.rope_scaling == "linear":
+        rope = {**rope, "rope_type": "linear", "factor": config.rope_scaling_factor}
+    if config.rope_scaling == "yarn":
+        rope = {**rope, "rope_type": "yarn", "factor": config.rope_scaling_factor,
+                "original_max_position_embeddings": config.rope_original_context,
+                "beta_fast": config.rope_beta_fast, "beta_slow": config.rope_beta_slow,
+                "truncate": config.rope_truncate}
+    return rope
+
+
 def hf_config_from_model(config: ModelConfig, base: dict | None = None) -> dict[str, Any]:
     """The config.json of ``config``'s family (``family_of``): ``base`` (the imported
     checkpoint's, when there is one) with the architecture fields replaced."""
@@ -177,22 +276,28 @@ def hf_config_from_model(config: ModelConfig, base: dict | None = None) -> dict[
     if hf.get("model_type", family) != family:
         raise ConfigError(f"model: a {family} model cannot be written over a config.json of "
                           f"model_type {hf['model_type']!r}")
-    rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
-    if config.rope_scaling == "linear":
-        rope = {**rope, "rope_type": "linear", "factor": config.rope_scaling_factor}
     for old in ("rope_theta", "rope_scaling"):
         hf.pop(old, None)
     hf.update(
-        architectures=["MixtralForCausalLM" if family == "mixtral" else "Qwen3MoeForCausalLM"],
-        model_type=family, vocab_size=config.vocab_size, hidden_size=config.hidden,
-        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, hidden_act="silu",
-        rms_norm_eps=config.norm_eps, rope_parameters=rope,
-        tie_word_embeddings=config.tie_embeddings, num_experts_per_tok=config.top_k,
-        attention_bias=False, sliding_window=None, dtype=config.dtype)
+        architectures=[ARCHITECTURES[family]], model_type=family, vocab_size=config.vocab_size,
+        hidden_size=config.hidden, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim, hidden_act="silu", rms_norm_eps=config.norm_eps,
+        rope_parameters=_rope_parameters(config), tie_word_embeddings=config.tie_embeddings,
+        num_experts_per_tok=config.top_k, attention_bias=config.attention_bias,
+        sliding_window=None, dtype=config.dtype)
     if family == "mixtral":
         hf.update(intermediate_size=config.expert_ffn, num_local_experts=config.num_experts)
         hf.pop("attention_bias")
+    elif family == "gpt_oss":
+        sliding = [config.sliding_window > 0 and (config.sliding_window_layers == "all"
+                                                  or i % 2 == 0)
+                   for i in range(config.num_layers)]
+        hf.update(intermediate_size=config.expert_ffn, num_local_experts=config.num_experts,
+                  layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+                  sliding_window=config.sliding_window or hf.get("sliding_window"),
+                  swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit)
+        hf.pop("quantization_config", None)
     else:
         hf.pop("num_local_experts", None)
         hf.update(moe_intermediate_size=config.expert_ffn, num_experts=config.num_experts,

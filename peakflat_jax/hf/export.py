@@ -32,29 +32,65 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 them; a checkpoint without its tokenizer is of little use)."""
 
 
+def checkpoint_tensors(config: ModelConfig, state):
+    """(name, tensor) of every checkpoint tensor of ``state`` (the decoder's weights, or any
+    tree shaped like them: their gradients, say), in the names and layouts of ``config``'s
+    family (``family_of``), each fetched from the devices one layer of one weight at a time."""
+    leaves = {_names(path): leaf for path, leaf in
+              jax.tree_util.tree_flatten_with_path(state)[0]}
+    return _checkpoint_tensors(config, family_of(config), leaves)
+
+
 def _checkpoint_tensors(config: ModelConfig, family: str, leaves: dict):
     """(name, tensor) of every checkpoint tensor, fetched from the devices one layer of one
-    weight at a time (a stacked leaf whole would be L layers' worth of host memory)."""
-    for rule in rules(config, family):
+    weight at a time (a stacked leaf whole would be L layers' worth of host memory); the
+    weights one tensor interleaves (gpt-oss's gate and up) one layer of each at a time."""
+    groups: dict[tuple, list] = {}  # each tensor's rules, in order: one, or the interleaved
+    for index, rule in enumerate(rules(config, family)):
         if rule.path not in leaves:
             raise ConfigError(f"{'.'.join(rule.path)}: missing from the state to export")
-        leaf, offset = leaves[rule.path], layer_offset(config, rule.path)
-        layers = range(leaf.shape[0]) if rule.stacked else [None]
+        key = (rule.name, rule.path[0]) if rule.interleave else (index,)
+        groups.setdefault(key, []).append(rule)
+    for group in groups.values():
+        first = group[0]
+        leaf = leaves[first.path]
+        offset = layer_offset(config, first.path)
+        layers = range(leaf.shape[0]) if first.stacked else [None]
         for layer in layers:
-            value = np.asarray(jax.device_get(leaf if layer is None else leaf[layer]))
-            if rule.path == ("embedding",):
-                value = value[: config.vocab_size]
-            elif rule.path == ("head",):
-                value = value[:, : config.vocab_size]
-            pieces = enumerate(value) if rule.per_expert else [(None, value)]
-            for expert, weight in pieces:
-                name = rule.name.format(layer=None if layer is None else layer + offset,
-                                        expert=expert)
-                tensor = np.ascontiguousarray(rule.to_hf(weight))
-                if tensor.shape != rule.hf_shape:  # a bug in a Rule
+            parts = [_host_value(config, rule, leaves[rule.path], layer) for rule in group]
+            pieces = (zip(*(enumerate(part) for part in parts)) if first.per_expert
+                      else [tuple((None, part) for part in parts)])
+            for piece in pieces:
+                expert = piece[0][0]
+                name = first.name.format(layer=None if layer is None else layer + offset,
+                                         expert=expert)
+                tensor = _joined(group, [weight for _, weight in piece])
+                if tensor.shape != first.hf_shape:  # a bug in a Rule
                     raise ConfigError(f"{name}: exported shape {tensor.shape}, expected "
-                                      f"{rule.hf_shape}")
+                                      f"{first.hf_shape}")
                 yield name, tensor
+
+
+def _host_value(config: ModelConfig, rule, leaf, layer: int | None) -> np.ndarray:
+    """One layer of a leaf on the host, the vocab padding dropped."""
+    value = np.asarray(jax.device_get(leaf if layer is None else leaf[layer]))
+    if rule.path == ("embedding",):
+        return value[: config.vocab_size]
+    if rule.path == ("head",):
+        return value[:, : config.vocab_size]
+    return value
+
+
+def _joined(group: list, weights: list[np.ndarray]) -> np.ndarray:
+    """The checkpoint tensor of one rule's weight, or of the weights ``group`` interleaves."""
+    if len(group) == 1:
+        return np.ascontiguousarray(group[0].to_hf(weights[0]))
+    parts = [rule.to_hf(weight) for rule, weight in zip(group, weights)]
+    count = group[0].interleave[1]
+    tensor = np.empty((*parts[0].shape[:-1], parts[0].shape[-1] * count), parts[0].dtype)
+    for rule, part in zip(group, parts):
+        tensor[..., rule.interleave[0]::count] = part
+    return tensor
 
 
 def export_pretrained(config: ModelConfig, state, directory: str | pathlib.Path,

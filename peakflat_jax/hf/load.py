@@ -13,6 +13,11 @@ not: reading only the slice through safetensors' ``get_slice`` is left to do).
 Every tensor is checked before use: a missing one, or one of the wrong shape, is an error naming
 it; so is a tensor that no weight takes (a bias the model lacks, say), which would otherwise be
 dropped silently.
+
+gpt-oss's official checkpoints store the experts in MXFP4 (``{name}_blocks`` and
+``{name}_scales`` for the tensor ``name``): read in their place and dequantized exactly, as
+transformers' ``convert_moe_packed_tensors`` does (``dequantize_mxfp4``), the device's experts'
+rows only.
 """
 
 from __future__ import annotations
@@ -34,6 +39,22 @@ from peakflat_jax.hf.weights import IGNORED_SUFFIXES, Rule, layer_offset, rules
 
 class CheckpointError(ValueError):
     """A checkpoint whose tensors do not make the configured model; names the tensor."""
+
+
+MXFP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                         -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+"""The 16 FP4 (e2m1) values, by code."""
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 ``blocks [E, out, G, 16]`` uint8 (two FP4 codes a byte, the low nibble first) and
+    ``scales [E, out, G]`` uint8 (a power of two per 32 values, exponent bias 127) as the
+    float32 tensor ``[E, in = 32 G, out]`` (exact: FP4 values times powers of two)."""
+    values = np.empty((*blocks.shape[:-1], 2 * blocks.shape[-1]), np.float32)
+    values[..., 0::2] = MXFP4_VALUES[blocks & 0x0F]
+    values[..., 1::2] = MXFP4_VALUES[blocks >> 4]
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return values.reshape(*blocks.shape[:2], -1).transpose(0, 2, 1)
 
 
 class SafetensorsCheckpoint:
@@ -63,19 +84,51 @@ class SafetensorsCheckpoint:
                     self.shapes[name] = tuple(view.get_shape())
                     self.dtypes[name] = view.get_dtype()
 
-    def tensor(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """The tensor ``name``, checked to have ``shape``."""
+    def stored_names(self, name: str) -> list[str]:
+        """The checkpoint's tensors that hold ``name``: itself, or its MXFP4 blocks and
+        scales."""
+        packed = [f"{name}_blocks", f"{name}_scales"]
+        if name not in self.files and all(p in self.files for p in packed):
+            return packed
+        return [name]
+
+    def tensor(self, name: str, shape: tuple[int, ...], rows: slice | None = None) -> np.ndarray:
+        """The tensor ``name``, checked to have ``shape``; ``rows``: only those of its first
+        axis (read through the file's memory map: a device reads its experts' rows of a
+        tensor that holds every expert)."""
+        if self.stored_names(name) != [name]:
+            return self._mxfp4(name, shape, rows)
         if name not in self.files:
             raise CheckpointError(f"{name}: missing from the checkpoint in {self.directory}")
         if self.shapes[name] != shape:
             raise CheckpointError(f"{name}: shape {self.shapes[name]} in the checkpoint, "
                                   f"expected {shape}")
         if self.dtypes[name] == "BF16":
-            return self._bfloat16(name)
+            return self._bfloat16(name, rows)
         with self._open(self.files[name], framework="numpy") as handle:
-            return handle.get_tensor(name)
+            if rows is None:
+                return handle.get_tensor(name)
+            return handle.get_slice(name)[rows]
 
-    def _bfloat16(self, name: str) -> np.ndarray:
+    def _mxfp4(self, name: str, shape: tuple[int, ...], rows: slice | None) -> np.ndarray:
+        """The [E, in, out] tensor ``name`` from its MXFP4 blocks and scales, checked to make
+        ``shape``."""
+        blocks, scales = self.stored_names(name)
+        experts, inputs, outputs = shape
+        for stored, expected, dtype in ((blocks, (experts, outputs, inputs // 32, 16), "U8"),
+                                        (scales, (experts, outputs, inputs // 32), "U8")):
+            if inputs % 32 or self.shapes[stored] != expected or self.dtypes[stored] != dtype:
+                raise CheckpointError(f"{stored}: {self.dtypes[stored]} of shape "
+                                      f"{self.shapes[stored]} in the checkpoint, expected "
+                                      f"{dtype} {expected} (MXFP4 of {shape})")
+        rows = slice(None) if rows is None else rows
+        with self._open(self.files[blocks], framework="numpy") as handle:
+            packed = handle.get_slice(blocks)[rows]
+        with self._open(self.files[scales], framework="numpy") as handle:
+            exponents = handle.get_slice(scales)[rows]
+        return dequantize_mxfp4(packed, exponents)
+
+    def _bfloat16(self, name: str, rows: slice | None) -> np.ndarray:
         """A bf16 tensor through the file's header: safetensors' numpy side has no bfloat16,
         the bytes are ml_dtypes' (jnp.bfloat16)."""
         path = self.files[name]
@@ -85,7 +138,8 @@ class SafetensorsCheckpoint:
         start, end = entry["data_offsets"]
         data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_bytes + start,
                          shape=(end - start,))
-        return np.asarray(data).view(jnp.bfloat16).reshape(entry["shape"])
+        value = data.view(jnp.bfloat16).reshape(entry["shape"])
+        return np.asarray(value if rows is None else value[rows])
 
 
 def _index_key(index: tuple[slice, ...]) -> tuple:
@@ -99,9 +153,9 @@ def _leaf_array(rule: Rule, config: ModelConfig, checkpoint: SafetensorsCheckpoi
     vocab_axis = {("embedding",): 0, ("head",): 1}.get(rule.path)
     built: dict[tuple, np.ndarray] = {}  # replicated shards are read once
 
-    def piece(layer: int | None, expert: int | None) -> np.ndarray:
+    def piece(layer: int | None, expert: int | None, rows: slice | None = None) -> np.ndarray:
         name = rule.name.format(layer=None if layer is None else layer + offset, expert=expert)
-        value = rule.to_ours(checkpoint.tensor(name, rule.hf_shape))
+        value = rule.to_ours(checkpoint.tensor(name, rule.hf_shape, rows))
         if vocab_axis is not None and value.shape[vocab_axis] < shape[vocab_axis]:
             padding = [(0, 0)] * value.ndim  # padded vocab entries: zero, never in a softmax
             padding[vocab_axis] = (0, shape[vocab_axis] - value.shape[vocab_axis])
@@ -116,12 +170,15 @@ def _leaf_array(rule: Rule, config: ModelConfig, checkpoint: SafetensorsCheckpoi
         if rule.stacked:
             layers = range(shape[0])[index[0]]
             lead = 1
-        if rule.per_expert:
+        if rule.has_expert_axis:
             experts = range(shape[1])[index[1]]
             lead = 2
         rest = index[lead:]
         if rule.per_expert:
             value = np.stack([np.stack([piece(i, e)[rest] for e in experts]) for i in layers])
+        elif rule.experts_in_tensor:  # this shard's experts' rows of each layer's tensor
+            rows = slice(experts.start, experts.stop, experts.step)
+            value = np.stack([piece(i, None, rows)[(slice(None), *rest)] for i in layers])
         elif rule.stacked:
             value = np.stack([piece(i, None)[rest] for i in layers])
         else:
@@ -168,7 +225,8 @@ def load_pretrained(config: ModelConfig, mesh: Mesh):
                  config.num_layers - config.num_dense_layers)
         layers = range(offset, offset + count) if rule.stacked else [None]
         experts = range(config.num_experts) if rule.per_expert else [None]
-        used |= {rule.name.format(layer=i, expert=e) for i in layers for e in experts}
+        used |= {stored for i in layers for e in experts
+                 for stored in checkpoint.stored_names(rule.name.format(layer=i, expert=e))}
     unused = sorted(n for n in set(checkpoint.files) - used if not n.endswith(IGNORED_SUFFIXES))
     if unused:
         raise CheckpointError(f"{unused[0]}: a checkpoint tensor that no weight of the model "

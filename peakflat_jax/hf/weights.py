@@ -23,6 +23,18 @@ The names, as transformers' ``save_pretrained`` writes them (5.x, the hub's layo
 
 Mixtral's w1, w3, w2 are the gate, up and down projections: ``w2(silu(w1 x) * w3 x)``.
 The router's balancing bias has no tensor (imported routers have none: zeros).
+
+gpt-oss adds biases and sinks, and stores each layer's experts as one tensor each, input-major
+(``x @ W`` as ours) with the gate and up projections interleaved along the last axis (gate
+columns 0, 2, 4, ..., up columns 1, 3, 5, ...: transformers' ``gate_up[..., ::2]`` and
+``[..., 1::2]``):
+
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.bias   bq [Hq, D], bk / bv [Hkv, D], bo [H]
+    model.layers.{i}.self_attn.sinks [Hq]            sinks
+    model.layers.{i}.mlp.router.weight [E, H], .bias [E]   router, router_logit_bias
+    model.layers.{i}.mlp.experts.gate_up_proj [E, H, 2F]   w_gate, w_up (interleaved)
+    model.layers.{i}.mlp.experts.gate_up_proj_bias [E, 2F] b_gate, b_up (interleaved)
+    model.layers.{i}.mlp.experts.down_proj [E, F, H], down_proj_bias [E, H]   w_down, b_down
 """
 
 from __future__ import annotations
@@ -41,13 +53,21 @@ Path = tuple[str, ...]
 class Rule:
     """One of our weights (``path``, without the stack and expert axes) and its checkpoint
     tensor: ``name`` with ``{layer}`` and ``{expert}`` filled in, of shape ``hf_shape``;
-    ``to_ours`` and ``to_hf`` convert one such tensor between the layouts."""
+    ``to_ours`` and ``to_hf`` convert one such tensor between the layouts.
+
+    ``experts_in_tensor``: the tensor holds every expert along its first axis (gpt-oss), where
+    ``{expert}`` names one tensor per expert (Mixtral, Qwen3). ``interleave`` (index, count):
+    the tensor holds ``count`` of our weights interleaved along its last axis, this one at
+    ``index::count``; ``to_ours`` takes the whole tensor (its slice included), ``to_hf`` gives
+    this weight's columns, which the exporter interleaves with its siblings'."""
 
     path: Path
     name: str
     hf_shape: tuple[int, ...]
     to_ours: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
+    experts_in_tensor: bool = False
+    interleave: tuple[int, int] | None = None
 
     @property
     def stacked(self) -> bool:
@@ -56,6 +76,11 @@ class Rule:
     @property
     def per_expert(self) -> bool:
         return "{expert}" in self.name
+
+    @property
+    def has_expert_axis(self) -> bool:
+        """Whether our weight has an expert axis (after the layer axis)."""
+        return self.per_expert or self.experts_in_tensor
 
 
 def _identity(x: np.ndarray) -> np.ndarray:
@@ -67,6 +92,47 @@ def _linear(path: Path, name: str, out_in: tuple[int, int], ours: tuple[int, ...
     (the output axis split into heads for wq, the input axis for wo)."""
     return Rule(path, name, out_in, lambda w: w.T.reshape(ours),
                 lambda w: w.reshape(out_in[1], out_in[0]).T)
+
+
+def _interleaved(path: Path, name: str, hf_shape: tuple[int, ...], index: int) -> Rule:
+    """One of the two weights a gpt-oss tensor interleaves along its last axis, at
+    ``index::2``; both layouts are input-major (the experts' [E, H, 2F], the biases' [E, 2F])."""
+    return Rule(path, name, hf_shape, lambda w: w[..., index::2], _identity,
+                experts_in_tensor=True, interleave=(index, 2))
+
+
+def _gpt_oss_rules(config: ModelConfig, layer: str) -> list[Rule]:
+    """The MoE layers' tensors that gpt-oss names and lays out its own way (module doc)."""
+    h, hq, hkv, d = config.hidden, config.num_heads, config.num_kv_heads, config.head_dim
+    e, f = config.num_experts, config.expert_ffn
+    attention, moe = ("moe_layers", "attention"), ("moe_layers", "moe")  # no dense layers
+    experts = f"{layer}.mlp.experts"
+    out = []
+    if config.attention_bias:
+        out += [Rule((*attention, f"b{x}"), f"{layer}.self_attn.{x}_proj.bias", (heads * d,),
+                     lambda b, heads=heads: b.reshape(heads, d), lambda b: b.reshape(-1))
+                for x, heads in (("q", hq), ("k", hkv), ("v", hkv))]
+        out.append(Rule((*attention, "bo"), f"{layer}.self_attn.o_proj.bias", (h,), _identity,
+                        _identity))
+    if config.attention_sinks:
+        out.append(Rule((*attention, "sinks"), f"{layer}.self_attn.sinks", (hq,), _identity,
+                        _identity))
+    out += [
+        _linear((*moe, "router"), f"{layer}.mlp.router.weight", (e, h), (h, e)),
+        _interleaved((*moe, "w_gate"), f"{experts}.gate_up_proj", (e, h, 2 * f), 0),
+        _interleaved((*moe, "w_up"), f"{experts}.gate_up_proj", (e, h, 2 * f), 1),
+        Rule((*moe, "w_down"), f"{experts}.down_proj", (e, f, h), _identity, _identity,
+             experts_in_tensor=True),
+    ]
+    if config.router_logit_bias:
+        out.append(Rule((*moe, "router_logit_bias"), f"{layer}.mlp.router.bias", (e,),
+                        _identity, _identity))
+    if config.expert_bias:
+        out += [_interleaved((*moe, "b_gate"), f"{experts}.gate_up_proj_bias", (e, 2 * f), 0),
+                _interleaved((*moe, "b_up"), f"{experts}.gate_up_proj_bias", (e, 2 * f), 1),
+                Rule((*moe, "b_down"), f"{experts}.down_proj_bias", (e, h), _identity,
+                     _identity, experts_in_tensor=True)]
+    return out
 
 
 def rules(config: ModelConfig, family: str) -> list[Rule]:
@@ -114,6 +180,9 @@ def rules(config: ModelConfig, family: str) -> list[Rule]:
                                (h, width), (width, h)))
             continue
         moe = (stack, "moe")
+        if family == "gpt_oss":
+            out += _gpt_oss_rules(config, layer)
+            continue
         if family == "mixtral":
             block, names = "block_sparse_moe", {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
         else:

@@ -114,11 +114,12 @@ class MoEDecoder(nnx.Module):
         carry = {"h": h, "positions": batch["positions"], "segment_ids": batch["segment_ids"]}
         num_dense = config.num_dense_layers
         if self.dense_layers is not None:
-            carry = self._run_stack(self.dense_layers, carry, run, offload[:num_dense])
+            carry = self._run_stack(self.dense_layers, carry, run, offload[:num_dense],
+                                    first_layer=0)
         counts = jnp.zeros((self.num_moe_layers, config.num_experts), jnp.int32)
         if self.moe_layers is not None:
             carry = self._run_stack(self.moe_layers, {**carry, "counts": counts}, run,
-                                    offload[num_dense:], moe_layers)
+                                    offload[num_dense:], moe_layers, first_layer=num_dense)
             counts = carry["counts"]
         return self.final_norm(carry["h"]), counts
 
@@ -135,8 +136,12 @@ class MoEDecoder(nnx.Module):
         return logits[..., : self.config.vocab_size]
 
     def _run_stack(self, stack: DecoderLayer, carry: dict, run: Runtime,
-                   offload: tuple[bool, ...], per_layer: PerLayer | None = None) -> dict:
+                   offload: tuple[bool, ...], per_layer: PerLayer | None = None, *,
+                   first_layer: int) -> dict:
         graphdef, state = nnx.split(stack)
+        windows = layer_windows(self.config)
+        if windows is not None:  # this stack's, indexed by the traced layer index
+            windows = jnp.asarray(windows[first_layer:first_layer + len(offload)], jnp.int32)
         if per_layer is None:
             params = ((state,), jnp.arange(len(offload), dtype=jnp.int32))
         else:
@@ -146,7 +151,8 @@ class MoEDecoder(nnx.Module):
         def layer_fn(carry, params):
             layer_states, layer_index = params
             layer = nnx.merge(graphdef, *layer_states)
-            h, counts = layer(carry["h"], carry["positions"], carry["segment_ids"], run)
+            window = None if windows is None else windows[layer_index]
+            h, counts = layer(carry["h"], carry["positions"], carry["segment_ids"], run, window)
             carry = {**carry, "h": h}
             if counts is not None:
                 carry["counts"] = carry["counts"].at[layer_index].set(counts)
@@ -154,6 +160,15 @@ class MoEDecoder(nnx.Module):
 
         return sco_scan(layer_fn, carry, params, offload=offload,
                         loop=run.operators.layer_loop)
+
+
+def layer_windows(config: ModelConfig) -> tuple[int, ...] | None:
+    """Each layer's sliding window (0: the whole document), or None when no layer slides
+    (``model.sliding_window``, ``model.sliding_window_layers``)."""
+    if not config.sliding_window:
+        return None
+    return tuple(config.sliding_window if config.sliding_window_layers == "all" or layer % 2 == 0
+                 else 0 for layer in range(config.num_layers))
 
 
 def mean_cross_entropy(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, run: Runtime,

@@ -85,16 +85,55 @@ def rope_frequencies(config: ModelConfig) -> jax.Array:
     inverse = 1.0 / theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
     if config.rope_scaling == "linear":
         inverse = inverse / config.rope_scaling_factor
+    if config.rope_scaling == "yarn":
+        inverse = _yarn_frequencies(config)
     return inverse
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inverse_frequencies: jax.Array) -> jax.Array:
+def _yarn_frequencies(config: ModelConfig) -> jax.Array:
+    """YaRN's blend of the frequencies kept (extrapolated) and divided by the factor
+    (interpolated): the dimensions that turn more than ``rope_beta_fast`` times over the
+    original context keep theirs, those turning fewer than ``rope_beta_slow`` times are
+    interpolated, a linear ramp between (transformers' ``_compute_yarn_parameters``, step for
+    step)."""
+    dim, base = config.head_dim, config.rope_theta
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(config.rope_original_context / (rotations * 2 * math.pi))
+                / (2 * math.log(base)))
+
+    low, high = correction_dim(config.rope_beta_fast), correction_dim(config.rope_beta_slow)
+    if config.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    base_powers = base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    interpolated = 1.0 / (config.rope_scaling_factor * base_powers)
+    return interpolated * (1 - extrapolation) + (1.0 / base_powers) * extrapolation
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor YaRN scales cos and sin by (so q . k by its square): 0.1 ln(factor) + 1;
+    1 for the other scalings."""
+    factor = config.rope_scaling_factor
+    if config.rope_scaling != "yarn" or factor <= 1:
+        return 1.0
+    return 0.1 * math.log(factor) + 1.0
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inverse_frequencies: jax.Array,
+               attention_factor: float = 1.0) -> jax.Array:
     """Rotates the two halves of each head of ``x [B, T, heads, D]`` by ``positions [B, T]``
     (the rotate-half convention of Llama, gpt-oss, Mixtral and Qwen3: element i pairs with
     i + D/2 at frequency i, as transformers' ``rotate_half`` with cos/sin of the frequencies
-    concatenated twice)."""
+    concatenated twice), cos and sin scaled by ``attention_factor`` (YaRN's)."""
     angles = positions.astype(jnp.float32)[..., None] * inverse_frequencies  # [B, T, D/2]
     cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
     first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], -1)
     return rotated.astype(x.dtype)
@@ -114,22 +153,38 @@ class Attention(nnx.Module):
         # other weights' initialisation is the same with or without them.
         self.q_norm = RMSNorm(d, config.norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.norm_eps, dtype) if config.qk_norm else None
+        # gpt-oss's biases and sinks (``model.attention_bias``, ``model.attention_sinks``):
+        # zeros, which draw no random numbers either.
+        biased = config.attention_bias
+        self.bq = nnx.Param(jnp.zeros((hq, d), dtype)) if biased else None
+        self.bk = nnx.Param(jnp.zeros((hkv, d), dtype)) if biased else None
+        self.bv = nnx.Param(jnp.zeros((hkv, d), dtype)) if biased else None
+        self.bo = nnx.Param(jnp.zeros((h,), dtype)) if biased else None
+        self.sinks = nnx.Param(jnp.zeros((hq,), dtype)) if config.attention_sinks else None
         self.config = config
 
-    def __call__(self, x, positions, segment_ids, run: Runtime):
+    def __call__(self, x, positions, segment_ids, run: Runtime, window=None):
+        """``window``: this layer's sliding window (an int32 scalar, 0: none) or None."""
         mesh = run.mesh
-        q = on_tokens(mesh, jnp.einsum("bth,hnd->btnd", x, gathered(mesh, self.wq[...])))
-        k = on_tokens(mesh, jnp.einsum("bth,hnd->btnd", x, gathered(mesh, self.wk[...])))
-        v = on_tokens(mesh, jnp.einsum("bth,hnd->btnd", x, gathered(mesh, self.wv[...])))
+
+        def project(weight, bias):
+            out = jnp.einsum("bth,hnd->btnd", x, gathered(mesh, weight[...]))
+            return on_tokens(mesh, out if bias is None else out + gathered(mesh, bias[...]))
+
+        q, k, v = project(self.wq, self.bq), project(self.wk, self.bk), project(self.wv, self.bv)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inverse_frequencies = rope_frequencies(self.config)
-        q = apply_rope(q, positions, inverse_frequencies)
-        k = apply_rope(k, positions, inverse_frequencies)
+        factor = rope_attention_factor(self.config)
+        q = apply_rope(q, positions, inverse_frequencies, factor)
+        k = apply_rope(k, positions, inverse_frequencies, factor)
+        sinks = None if self.sinks is None else gathered(mesh, self.sinks[...])
         out = ulysses_attention(q, k, v, segment_ids if run.max_segments > 1 else None,
                                 mesh=mesh, data_axis=mop.DATA, seq_axis=mop.SEQ,
-                                implementation=run.attention, max_segments=run.max_segments)
-        return on_tokens(mesh, jnp.einsum("btnd,ndh->bth", out, gathered(mesh, self.wo[...])))
+                                implementation=run.attention, max_segments=run.max_segments,
+                                sinks=sinks, window=window)
+        out = jnp.einsum("btnd,ndh->bth", out, gathered(mesh, self.wo[...]))
+        return on_tokens(mesh, out if self.bo is None else out + gathered(mesh, self.bo[...]))
 
 
 class FFN(nnx.Module):
@@ -184,6 +239,12 @@ class MoE(nnx.Module):
         self.w_gate = _normal(rngs, (e, h, f), std, dtype)
         self.w_up = _normal(rngs, (e, h, f), std, dtype)
         self.w_down = _normal(rngs, (e, f, h), std / math.sqrt(2 * config.num_layers), dtype)
+        # gpt-oss's router logit bias and expert biases: zeros (no random numbers drawn).
+        self.router_logit_bias = (nnx.Param(jnp.zeros((e,), dtype))
+                                  if config.router_logit_bias else None)
+        self.b_gate = nnx.Param(jnp.zeros((e, f), dtype)) if config.expert_bias else None
+        self.b_up = nnx.Param(jnp.zeros((e, f), dtype)) if config.expert_bias else None
+        self.b_down = nnx.Param(jnp.zeros((e, h), dtype)) if config.expert_bias else None
         self.shared = (FFN(h, config.shared_expert_ffn, config, rngs)
                        if config.shared_expert_ffn else None)
 
@@ -193,17 +254,30 @@ class MoE(nnx.Module):
         batch, length, hidden = x.shape
         logits = jnp.einsum("bth,he->bte", x, gathered(mesh, self.router[...]),
                             preferred_element_type=jnp.float32)
+        if self.router_logit_bias is not None:
+            logits = logits + gathered(mesh, self.router_logit_bias[...]).astype(jnp.float32)
         expert_ids, gates = route(logits, self.router_bias[...], config)
         counts = jnp.zeros((config.num_experts,), jnp.int32).at[expert_ids.reshape(-1)].add(1)
+        biases = None if self.b_gate is None else (self.b_gate[...], self.b_up[...],
+                                                   self.b_down[...])
         y = pipelined_moe_global(
             x.reshape(-1, hidden), expert_ids.reshape(-1, config.top_k),
             gates.reshape(-1, config.top_k), self.w_gate[...], self.w_up[...],
             self.w_down[...], mesh=mesh, axis_name=mop.ALL, num_experts=config.num_experts,
-            **moe_options(run))
+            expert_biases=biases, **expert_ffn_options(config), **moe_options(run))
         y = on_tokens(mesh, y.reshape(batch, length, hidden))
         if self.shared is not None:
             y = y + self.shared(x, run)
         return y, counts
+
+
+def expert_ffn_options(config: ModelConfig) -> dict[str, Any]:
+    """pipelined_moe's keywords for the experts' gated unit (none for plain SwiGLU, so that the
+    call is the one it always was)."""
+    if config.expert_activation == "swiglu":
+        return {}
+    return dict(activation=config.expert_activation, swiglu_alpha=config.swiglu_alpha,
+                swiglu_limit=config.swiglu_limit)
 
 
 def moe_options(run: Runtime) -> dict[str, Any]:
@@ -232,9 +306,10 @@ class DecoderLayer(nnx.Module):
         self.moe = MoE(config, rngs) if moe else None
         self.ffn = None if moe else FFN(config.hidden, config.dense_ffn, config, rngs)
 
-    def __call__(self, h, positions, segment_ids, run: Runtime):
-        """(new h, the MoE's counts [E] or None)."""
-        h = h + self.attention(self.attention_norm(h), positions, segment_ids, run)
+    def __call__(self, h, positions, segment_ids, run: Runtime, window=None):
+        """(new h, the MoE's counts [E] or None). ``window``: the layer's sliding window (an
+        int32 scalar, 0: none), or None where no layer of the model slides."""
+        h = h + self.attention(self.attention_norm(h), positions, segment_ids, run, window)
         if self.moe is None:
             return h + self.ffn(self.ffn_norm(h), run), None
         y, counts = self.moe(self.ffn_norm(h), run)

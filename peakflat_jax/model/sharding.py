@@ -1,6 +1,7 @@
 """Where each of the decoder's weights lives on the MoP mesh, and the model made there.
 
-* the experts' stacked [L, E, ...] weights: E over every device (expert parallelism);
+* the experts' stacked [L, E, ...] weights (and biases): E over every device (expert
+  parallelism);
 * the head [H, V'] along V' and the embedding [V', H] along V' over every device (the ring's
   vocab shards; a tied head is the embedding transposed, so the same split);
 * the router's balancing bias: replicated (E floats);
@@ -19,7 +20,7 @@ from peakflat_jax import mesh as mop
 from peakflat_jax.config import ModelConfig
 from peakflat_jax.model.decoder import MoEDecoder
 
-_EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+_EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
 
 
 def weight_spec(path: tuple[str, ...], shape: tuple[int, ...], width: int) -> P:

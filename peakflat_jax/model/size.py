@@ -68,10 +68,14 @@ def parameter_counts(config: ModelConfig, padded_vocab: int) -> ParameterCounts:
     return ParameterCounts(
         embedding=padded_vocab * h,
         head=0 if config.tie_embeddings else h * padded_vocab,
-        attention_per_layer=h * d * (2 * hq + 2 * hkv),
+        attention_per_layer=h * d * (2 * hq + 2 * hkv)
+        + ((hq + 2 * hkv) * d + h if config.attention_bias else 0)
+        + (hq if config.attention_sinks else 0),
         dense_ffn_per_layer=3 * h * config.dense_ffn,
-        router_per_layer=h * config.num_experts,
-        experts_per_layer=3 * config.num_experts * h * config.expert_ffn,
+        router_per_layer=h * config.num_experts
+        + (config.num_experts if config.router_logit_bias else 0),
+        experts_per_layer=3 * config.num_experts * h * config.expert_ffn
+        + (config.num_experts * (2 * config.expert_ffn + h) if config.expert_bias else 0),
         shared_expert_per_layer=3 * h * config.shared_expert_ffn,
         norms=h * (2 * config.num_layers + 1) + (2 * d * config.num_layers if config.qk_norm
                                                   else 0),

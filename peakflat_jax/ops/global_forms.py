@@ -56,10 +56,11 @@ from peakflat_jax.ops.ring_cross_entropy import ring_cross_entropy
 def pipelined_moe_global(x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
                          w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
                          mesh: Mesh | None = None, axis_name: Any, num_experts: int,
-                         **options) -> jax.Array:
+                         expert_biases: tuple | None = None, **options) -> jax.Array:
     """``pf.pipelined_moe`` on global arrays: tokens (x, expert_ids, gates) split over
-    ``axis_name`` along their first dimension, experts (the weights' first dimension) split
-    over it too. ``options``: pipelined_moe's keywords (token_budget, balance, ...)."""
+    ``axis_name`` along their first dimension, experts (the weights' first dimension, and the
+    ``expert_biases``' [E, F], [E, F], [E, H]) split over it too. ``options``: pipelined_moe's
+    other keywords (token_budget, balance, activation, ...)."""
     mesh, axes, size = _mesh_axes(mesh, axis_name)
     for name, array in (("x", x), ("w_gate", w_gate)):
         _check_divides(name, array, size, axes, "tokens" if name == "x" else "experts")
@@ -71,8 +72,16 @@ def pipelined_moe_global(x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
                              f"got {ids[bad].flat[0]}")
     options = {"axis_name": axes, "num_experts": num_experts, **options}
     split = P(axes)
-    args = (x, expert_ids, gates, w_gate, w_up, w_down)
-    return _run(pipelined_moe, mesh, (split,) * 6, split, options, args)
+    args = (x, expert_ids, gates, w_gate, w_up, w_down, *(expert_biases or ()))
+    per_shard = pipelined_moe if expert_biases is None else _pipelined_moe_with_biases
+    return _run(per_shard, mesh, (split,) * len(args), split, options, args)
+
+
+def _pipelined_moe_with_biases(x, expert_ids, gates, w_gate, w_up, w_down, b_gate, b_up,
+                               b_down, **options):
+    """``pipelined_moe`` with the biases as positional operands (the shard_map's)."""
+    return pipelined_moe(x, expert_ids, gates, w_gate, w_up, w_down,
+                         expert_biases=(b_gate, b_up, b_down), **options)
 
 
 def ring_cross_entropy_global(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, *,

@@ -22,6 +22,11 @@ Per rank (a shard_map over the expert-parallel axis or axes, D devices, each own
    grouped SwiGLU matmuls over the local and foreign experts (``grouped_matmul``), the
    exchange back, gate-weighted sum over k.
 
+The expert FFN is SwiGLU, or gpt-oss's clamped form (``activation="clamped_swiglu"``), with
+optional biases on its three projections (``expert_biases``): each sorted row adds its group's
+bias rows, which travel with the weights (migrated to helpers, their gradients sent home the
+same way); rows of no group add none.
+
 Memory bound: ``pipelined_moe_memory_terms`` gives it per device, term by term, as a function of
 the static sizes (``MEMORY_FORMULAS`` states each term). Every term is fixed at launch: skew
 makes the plan move more weights (up to the foreign bound), never a buffer larger. The paper's
@@ -100,7 +105,10 @@ def pipelined_moe(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_gate:
                   llep_capacity: float = LLEPConfig.capacity,
                   llep_min_tokens: int = LLEPConfig.min_tokens,
                   max_foreign_experts: int | None = LLEPConfig.max_foreign_experts,
-                  backend: MoEBackend | None = None) -> jax.Array:
+                  backend: MoEBackend | None = None,
+                  expert_biases: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+                  activation: str = "swiglu", swiglu_alpha: float = 1.702,
+                  swiglu_limit: float = 7.0) -> jax.Array:
     """``y[n] = sum_j gates[n, j] * ffn_{expert_ids[n, j]}(x[n])`` with experts spread over
     ``axis_name`` (expert e on position e // E_l), in chunks of bounded size.
 
@@ -125,6 +133,13 @@ def pipelined_moe(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_gate:
         plan's default (``llep_plan.default_max_foreign_experts``).
       backend: for tests and benchmarks: the exchange and grouped matmul to use
         (``MoEBackend``); None picks them from the mesh's devices.
+      expert_biases: None, or (b_gate, b_up ``[E_l, F]``, b_down ``[E_l, H]``), this rank's
+        experts' biases: ``ffn_e(v) = act(v @ w_gate[e] + b_gate[e], v @ w_up[e] + b_up[e])
+        @ w_down[e] + b_down[e]``; differentiable like the weights.
+      activation: ``act(g, u)``: ``"swiglu"``, silu(g) * u; ``"clamped_swiglu"`` (gpt-oss),
+        g' sigmoid(alpha g') * (u' + 1) with g' = min(g, limit) and u' = u clipped to
+        [-limit, limit] (the clamps pass gradient where they do not bind, as torch.clamp).
+      swiglu_alpha, swiglu_limit: ``"clamped_swiglu"``'s alpha and limit.
 
     Returns:
       ``[N, H]`` in x's dtype; rows whose ids leave ``[0, num_experts)`` are NaN.
@@ -138,10 +153,12 @@ def pipelined_moe(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_gate:
         max_chunks=max_chunks, membership=membership, balance=balance,
         llep=LLEPConfig(threshold=llep_threshold, capacity=llep_capacity,
                         min_tokens=llep_min_tokens, max_foreign_experts=max_foreign_experts),
-        backend=backend)
-    x, gates, w_gate, w_up, w_down, expert_ids = vary_alike(x, gates, w_gate, w_up, w_down,
-                                                            expert_ids)
-    return _pipelined_moe(plan, x, expert_ids, gates, (w_gate, w_up, w_down))
+        backend=backend, expert_biases=expert_biases,
+        activation=_checked_activation(activation, swiglu_alpha, swiglu_limit))
+    biases = tuple(expert_biases or ())
+    x, gates, w_gate, w_up, w_down, expert_ids, *biases = vary_alike(
+        x, gates, w_gate, w_up, w_down, expert_ids, *biases)
+    return _pipelined_moe(plan, x, expert_ids, gates, (w_gate, w_up, w_down, *biases))
 
 
 def _pipelined_moe(plan: _MoEPlan, x, expert_ids, gates, weights):
@@ -183,6 +200,7 @@ class _MoEPlan:
     llep: LLEPConfig  # max_foreign_experts resolved to an int (0 without LLEP)
     exchange: Exchange
     matmul: grouped_matmul.GroupedMatmul
+    activation: ExpertActivation
 
     @property
     def experts_per_device(self) -> int:
@@ -214,9 +232,40 @@ def _expected_rows(llep: LLEPConfig, top_k: int, chunk_tokens: int) -> int:
     return math.ceil(max(llep.threshold, llep.capacity) * top_k * chunk_tokens)
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertActivation:
+    """The expert FFN's gated unit (``pipelined_moe``'s ``activation`` and its two knobs)."""
+
+    kind: str = "swiglu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        if self.kind == "swiglu":
+            return jax.nn.silu(gate) * up
+        # torch.clamp's gradient is 1 up to and at the limit: a where, not jnp.minimum (whose
+        # gradient halves at a tie).
+        gate = jnp.where(gate > self.limit, self.limit, gate)
+        up = jnp.where(up > self.limit, self.limit, jnp.where(up < -self.limit, -self.limit, up))
+        return gate * jax.nn.sigmoid(self.alpha * gate) * (up + 1)
+
+
+ACTIVATIONS = ("swiglu", "clamped_swiglu")
+
+
+def _checked_activation(activation, alpha, limit) -> ExpertActivation:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    if activation == "swiglu":
+        return ExpertActivation()
+    alpha = as_positive_float("swiglu_alpha", alpha)
+    return ExpertActivation("clamped_swiglu", alpha, as_positive_float("swiglu_limit", limit))
+
+
 def _describe_call(*, x, expert_ids, gates, w_gate, w_up, w_down, axis_name, num_experts,
                    token_budget, max_chunks, membership, balance, llep: LLEPConfig,
-                   backend: MoEBackend | None) -> _MoEPlan:
+                   backend: MoEBackend | None, expert_biases=None,
+                   activation: ExpertActivation = ExpertActivation()) -> _MoEPlan:
     """Checks the arguments at trace time and fixes the static plan of the call."""
     if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating) or x.shape[0] < 1:
         raise ValueError(f"x: expected a floating [N, H] array with N >= 1, got "
@@ -245,6 +294,15 @@ def _describe_call(*, x, expert_ids, gates, w_gate, w_up, w_down, axis_name, num
     if w_down.shape != (local, ffn, hidden):
         raise ValueError(f"w_down: expected [E_l={local}, F={ffn}, H={hidden}], got "
                          f"{list(w_down.shape)}")
+    if expert_biases is not None:
+        if len(expert_biases) != 3:
+            raise ValueError(f"expert_biases: expected (b_gate, b_up, b_down), got "
+                             f"{len(expert_biases)} arrays")
+        for name, bias, shape in zip(("b_gate", "b_up", "b_down"), expert_biases,
+                                     ((local, ffn), (local, ffn), (local, hidden))):
+            if tuple(bias.shape) != shape:
+                raise ValueError(f"expert_biases: {name} expected {list(shape)}, got "
+                                 f"{list(bias.shape)}")
     num_chunks = _num_chunks(num_tokens, token_budget, max_chunks)
     if membership not in MEMBERSHIPS:
         raise ValueError(f"membership: expected one of {MEMBERSHIPS}, got {membership!r}")
@@ -253,7 +311,8 @@ def _describe_call(*, x, expert_ids, gates, w_gate, w_up, w_down, axis_name, num
                     num_tokens=num_tokens, top_k=expert_ids.shape[1], num_chunks=num_chunks,
                     membership=membership, balance=balance, llep=llep,
                     exchange=_resolve_exchange(backend),
-                    matmul=_resolve_grouped_matmul(backend, x.dtype, w_gate.dtype, hidden, ffn))
+                    matmul=_resolve_grouped_matmul(backend, x.dtype, w_gate.dtype, hidden, ffn),
+                    activation=activation)
 
 
 def _num_chunks(num_tokens: int, token_budget, max_chunks) -> int:
@@ -460,8 +519,9 @@ def _tokens_cotangent(plan: _MoEPlan, d_received, routes, dtype):
 
 
 def _expert_ffn(plan: _MoEPlan, rows, group, weights):
-    """SwiGLU of each row with its group's expert: rows [M, H], group [M] in [0, G] (G: none)."""
-    w_gate, w_up, w_down = weights
+    """The FFN of each row with its group's expert: rows [M, H], group [M] in [0, G] (G: none).
+    ``weights``: (w_gate, w_up, w_down), then the three biases if the call has them."""
+    w_gate, w_up, w_down = weights[:3]
     num_rows = rows.shape[0]
     order = jnp.argsort(group, stable=True).astype(jnp.int32)
     sizes = jnp.zeros(plan.num_groups + 1, jnp.int32).at[group].add(1)[:plan.num_groups]
@@ -476,8 +536,19 @@ def _expert_ffn(plan: _MoEPlan, rows, group, weights):
     def matmul(lhs, rhs):
         return plan.matmul(lhs, rhs, sizes, expected_rows=plan.expected_rows)
 
-    hidden = jax.nn.silu(matmul(sorted_rows, w_gate)) * matmul(sorted_rows, w_up)
+    gate, up = matmul(sorted_rows, w_gate), matmul(sorted_rows, w_up)
+    if len(weights) > 3:  # each sorted row's group's bias rows; no group's rows add zeros
+        sorted_group = jnp.take(group, order, mode="fill", fill_value=plan.num_groups)
+
+        def bias_rows(bias, like):
+            return jnp.take(bias, sorted_group, axis=0, mode="fill",
+                            fill_value=0).astype(like.dtype)
+
+        gate, up = gate + bias_rows(weights[3], gate), up + bias_rows(weights[4], up)
+    hidden = plan.activation(gate, up)
     out = matmul(hidden.astype(rows.dtype), w_down)
+    if len(weights) > 3:
+        out = out + bias_rows(weights[5], out)
     return row_permutation.gather_rows(out.astype(rows.dtype), place, order)
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from peakflat_jax import mesh as mop
 from peakflat_jax.config import Config, ConfigError, offload_count
-from peakflat_jax.model.attention import choose_implementation
+from peakflat_jax.model.attention import choose_implementation, xla_only_fields
 from peakflat_jax.ops.sco import HostBudget
 from peakflat_jax.plan.errors import PlanError
 from peakflat_jax.plan.programs import Choice, fits_in_memory
@@ -35,7 +35,8 @@ def knobs_from_config(config: Config, num_devices: int, *, context: int | None =
     data, seq = mop.mesh_shape(config.mesh, num_devices)
     _check_divides(config, data, seq, context, batch_size)
     try:
-        attention = choose_implementation(ops.attention, platform, model.dtype)
+        attention = choose_implementation(ops.attention, platform, model.dtype,
+                                          xla_only=xla_only_fields(model))
     except ValueError as error:
         raise ConfigError(f"operators.attention: {error}") from None
     knobs = Knobs(data=data, seq=seq, batch_size=batch_size, context=context,

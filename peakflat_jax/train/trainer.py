@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from peakflat_jax import mesh as mop
 from peakflat_jax.config import Config, ConfigError, to_dict
-from peakflat_jax.model.attention import choose_implementation
+from peakflat_jax.model.attention import choose_implementation, xla_only_fields
 from peakflat_jax.model.decoder import IGNORE
 from peakflat_jax.model.layers import Runtime
 from peakflat_jax.model.sharding import abstract_model, init_model
@@ -104,7 +104,8 @@ def runtime_for(config: Config, mesh) -> Runtime:
         ops = dataclasses.replace(ops, layer_loop="scan")
     platform = np.asarray(mesh.devices).flat[0].platform
     try:
-        attention = choose_implementation(ops.attention, platform, config.model.dtype)
+        attention = choose_implementation(ops.attention, platform, config.model.dtype,
+                                          xla_only=xla_only_fields(config.model))
     except ValueError as error:
         raise ConfigError(f"operators.attention: {error}") from None
     budget = ops.token_budget if ops.moe_dispatch == "pipelined" else None

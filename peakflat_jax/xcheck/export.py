@@ -58,7 +58,7 @@ from jax.sharding import PartitionSpec as P
 
 from peakflat_jax import mesh as mop
 from peakflat_jax import skew
-from peakflat_jax.config import Config, load_config, to_dict
+from peakflat_jax.config import Config, ConfigError, load_config, to_dict
 from peakflat_jax.model.decoder import IGNORE
 from peakflat_jax.ops.global_forms import pipelined_moe_global, ring_cross_entropy_global
 from peakflat_jax.ops.llep_plan import LLEPConfig, llep_assignment
@@ -107,6 +107,7 @@ def export(directory: str | pathlib.Path, *, config: str = "tiny", overrides: tu
     directory.mkdir(parents=True, exist_ok=True)
     run_config = load_config(config, [*overrides, f"model.dtype={dtype}", f"train.seed={seed}",
                                       f"data.seed={seed}"])
+    _check_torch_side_models(run_config.model)
     from peakflat_jax.plan.operators import with_operators_on
     from peakflat_jax.train.trainer import Trainer
 
@@ -147,6 +148,22 @@ def export(directory: str | pathlib.Path, *, config: str = "tiny", overrides: tu
 
 # ----------------------------------------------------------------------------------------------
 # Helpers.
+
+
+def _check_torch_side_models(model) -> None:
+    """ConfigError naming a model field that torch_side.py does not implement (gpt-oss's:
+    tests/test_hf.py holds those against transformers' own gpt-oss instead), which it would
+    otherwise compare against a model without it."""
+    defaults = type(model)()
+    fields = ("attention_bias", "attention_sinks", "sliding_window", "router_logit_bias",
+              "expert_bias", "expert_activation")
+    different = [name for name in fields if getattr(model, name) != getattr(defaults, name)]
+    if model.rope_scaling == "yarn":
+        different.append("rope_scaling")
+    if different:
+        raise ConfigError(f"model.{different[0]}: {getattr(model, different[0])!r} is not "
+                          f"modelled by the PyTorch side of xcheck (tests/test_hf.py checks it "
+                          f"against transformers' gpt-oss)")
 
 
 def _working_dtype(config: Config):
