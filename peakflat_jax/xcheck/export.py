@@ -28,8 +28,9 @@ as their uint16 bit patterns (numpy has no bfloat16), which the manifest says. G
 ``sum(output * cotangent)`` with an exported random cotangent, or of the scalar loss.
 
 The manifest (``FORMAT``): the seed, dtype, config name and model section, jax version,
-device, matmul precision, commit; per case its function, parameters, tolerance kind, and per
-array its name, shape, dtype, storage, role (input / output / gradient) and what it is.
+device, matmul precision, commit; per case its function, parameters, tolerance kind, the
+seconds its JAX side took (``export_seconds``), and per array its name, shape, dtype, storage,
+role (input / output / gradient) and what it is.
 
 Why fp32 matmuls run at "highest" precision: on GPUs XLA's default fp32 dot is TF32 (10-bit
 mantissa), which no fp32 tolerance admits and which torch does not use by default; the check
@@ -48,6 +49,8 @@ import inspect
 import json
 import math
 import pathlib
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -87,6 +90,7 @@ class Case:
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     arrays: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     entries: list[dict] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0  # wall time of the JAX side: tracing, compiling, running, fetching
 
     def add(self, name: str, value, role: str, what: str) -> None:
         value = np.asarray(jax.device_get(value))
@@ -99,29 +103,41 @@ class Case:
 
 
 def export(directory: str | pathlib.Path, *, config: str = "tiny", overrides: tuple = (),
-           dtype: str = "float32", seed: int = 0) -> dict:
-    """Writes every case and the manifest under ``directory``; returns the manifest."""
+           dtype: str = "float32", seed: int = 0,
+           log: Callable[[str], None] | None = None) -> dict:
+    """Writes every case and the manifest under ``directory``; returns the manifest. ``log``
+    gets one line as the setup and as each case finishes, with its seconds (``peakflat xcheck``
+    prints them flushed, so that a log cut off by a timeout shows where the time went)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
+    log = log or (lambda line: None)
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
     run_config = load_config(config, [*overrides, f"model.dtype={dtype}", f"train.seed={seed}",
                                       f"data.seed={seed}"])
     from peakflat_jax.train.trainer import Trainer
 
     trainer = Trainer(run_config, run_dir=str(directory / "unused"))
+    log(f"xcheck export: setup (config, plan, data pipeline) {time.perf_counter() - started:.1f} s")
     rng = np.random.default_rng(seed)
     precision = "highest" if dtype == "float32" else "default"
+    # In this order: each draws its inputs from the one rng, so the order fixes every input.
+    makers = [lambda: cross_entropy_case(trainer, rng, "move_weights"),
+              lambda: cross_entropy_case(trainer, rng, "move_activations")]
+    if "reduction" in inspect.signature(ring_cross_entropy).parameters:
+        makers.append(lambda: cross_entropy_case(trainer, rng, "auto", reduction="mean"))
+    makers += [lambda: moe_case(trainer, rng), lambda: checkpointed_stack_case(trainer, rng),
+               lambda: adamw_case(trainer, rng), lambda: model_case(trainer, rng)]
+    cases = []
     with jax.default_matmul_precision(precision) if dtype == "float32" else (
             contextlib.nullcontext()):
-        cases = [
-            cross_entropy_case(trainer, rng, "move_weights"),
-            cross_entropy_case(trainer, rng, "move_activations"),
-        ]
-        if "reduction" in inspect.signature(ring_cross_entropy).parameters:
-            cases.append(cross_entropy_case(trainer, rng, "auto", reduction="mean"))
-        cases += [moe_case(trainer, rng), checkpointed_stack_case(trainer, rng),
-                  adamw_case(trainer, rng), model_case(trainer, rng)]
+        for make in makers:
+            started = time.perf_counter()
+            case = make()  # its arrays are fetched to the host: the case's work is done
+            case.seconds = time.perf_counter() - started
+            log(f"xcheck export: {case.name} {case.seconds:.1f} s")
+            cases.append(case)
     from peakflat_jax.bench.harness import describe_device, git_commit
 
     manifest = {
@@ -138,7 +154,8 @@ def export(directory: str | pathlib.Path, *, config: str = "tiny", overrides: tu
         np.savez(directory / file, **case.arrays)
         manifest["cases"][case.name] = {
             "file": file, "function": case.function, "tolerance": case.tolerance,
-            "description": case.description, "params": case.params, "arrays": case.entries}
+            "description": case.description, "params": case.params,
+            "export_seconds": round(case.seconds, 3), "arrays": case.entries}
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 

@@ -68,6 +68,7 @@ import math
 import pathlib
 import platform
 import sys
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -522,7 +523,9 @@ def exported_numpy(value: np.ndarray, entry: dict) -> np.ndarray:
 def check(directory, *, device: str = "cpu", reference: str = "float64",
           cases: list[str] | None = None, log: Callable[[str], None] = print) -> dict:
     """Recomputes every case of ``directory`` and compares; returns the report (``passed``,
-    ``tensors``: one row per compared tensor)."""
+    ``tensors``: one row per compared tensor; ``seconds``: per case, the JAX side's from the
+    manifest, this side's and the float64 reference's). ``log`` gets one line per case as it
+    finishes (``case_line``)."""
     directory = pathlib.Path(directory)
     manifest = json.loads((directory / "manifest.json").read_text())
     if manifest.get("format") != FORMAT:
@@ -530,16 +533,21 @@ def check(directory, *, device: str = "cpu", reference: str = "float64",
                          f"{manifest.get('format')!r}")
     run_dtype = manifest["dtype"]
     tolerances = TOLERANCES[run_dtype]
-    rows = []
+    rows, seconds = [], {}
     for name, case in manifest["cases"].items():
         if cases and name not in cases:
             continue
         function = CASES[case["function"]]
         stored = load_case(directory, case)
         inputs = {e["name"]: stored[e["name"]] for e in case["arrays"] if e["role"] == "input"}
-        result = function(as_compute(inputs, None, device), case["params"])
-        exact = (function(as_compute(inputs, torch.float64, device), case["params"])
-                 if reference == "float64" else None)
+        result, torch_seconds = timed(function, as_compute(inputs, None, device),
+                                      case["params"], device=device)
+        exact, float64_seconds = (timed(function, as_compute(inputs, torch.float64, device),
+                                        case["params"], device=device)
+                                  if reference == "float64" else (None, None))
+        seconds[name] = {"export": case.get("export_seconds"), "torch": round(torch_seconds, 3),
+                         "float64": None if float64_seconds is None else round(
+                             float64_seconds, 3)}
         with np.load(directory / case["file"]) as npz:
             for entry in case["arrays"]:
                 if entry["role"] == "input":
@@ -559,8 +567,7 @@ def check(directory, *, device: str = "cpu", reference: str = "float64",
                     row["torch_vs_float64"] = relative_difference(torch_value, exact_value)
                 row["passed"] = bool(row["difference"] <= row["tolerance"])
                 rows.append(row)
-        log(f"{name}: {sum(r['passed'] for r in rows if r['case'] == name)}/"
-            f"{sum(r['case'] == name for r in rows)} tensors within tolerance")
+        log(case_line(name, [r for r in rows if r["case"] == name], seconds[name]))
     return {
         "format": FORMAT, "directory": str(directory), "dtype": run_dtype,
         "seed": manifest["seed"], "config": manifest["config"],
@@ -568,8 +575,38 @@ def check(directory, *, device: str = "cpu", reference: str = "float64",
         "torch_version": torch.__version__, "torch_device": describe_torch_device(device),
         "python": platform.python_version(), "reference": reference,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "tolerances": tolerances, "tensors": rows, "passed": all(r["passed"] for r in rows),
+        "tolerances": tolerances, "seconds": seconds, "tensors": rows,
+        "passed": all(r["passed"] for r in rows),
     }
+
+
+def timed(function: Callable, inputs: dict, params: dict, *, device: str):
+    """``(function(inputs, params), seconds)``, the device's queue drained before the clock
+    stops (CUDA runs asynchronously)."""
+    started = time.perf_counter()
+    result = function(inputs, params)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+    return result, time.perf_counter() - started
+
+
+def case_line(name: str, rows: list[dict], seconds: dict) -> str:
+    """One case's line: pass / fail, the tensor nearest its tolerance (largest difference over
+    tolerance) with its difference, and the seconds of each side."""
+    def margin(row):
+        if row["tolerance"] > 0:
+            return row["difference"] / row["tolerance"]
+        return math.inf if row["difference"] > 0 else 0.0
+
+    failed = sum(not r["passed"] for r in rows)
+    worst = max(rows, key=margin)
+    verdict = f"FAILED {failed} of {len(rows)}" if failed else f"passed {len(rows)}"
+    export = seconds.get("export")
+    float64 = seconds.get("float64")
+    return (f"xcheck {name}: {verdict} tensors; largest difference {worst['difference']:.2e} "
+            f"({worst['tensor']}, tolerance {worst['tolerance']:.0e}); seconds: jax export "
+            f"{'-' if export is None else f'{export:.2f}'}, torch {seconds['torch']:.2f}"
+            f"{'' if float64 is None else f', float64 reference {float64:.2f}'}")
 
 
 def describe_torch_device(device: str) -> str:
@@ -612,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the report as JSON to this path")
     args = parser.parse_args(argv)
     report = check(args.directory, device=args.device, reference=args.reference,
-                   cases=args.case, log=lambda line: print(line, file=sys.stderr))
+                   cases=args.case, log=lambda line: print(line, flush=True))
     print(format_report(report))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
