@@ -176,12 +176,32 @@ def _tokens(trainer) -> tuple[int, int]:
 
 
 def _normal(rng, shape, std=1.0) -> np.ndarray:
-    return (rng.standard_normal(shape) * std).astype(np.float32)
+    """fp32 normals, drawn as fp32 (at h200-1's widths the MoE case draws 400M of them: drawing
+    float64 and casting took four times as long)."""
+    value = rng.standard_normal(shape, dtype=np.float32)
+    value *= np.float32(std)
+    return value
 
 
 def _put(mesh, value, spec: P, dtype=None) -> jax.Array:
     value = jnp.asarray(value, dtype)
     return jax.device_put(value, NamedSharding(mesh, spec))
+
+
+def _value_and_vjp(fn, num_differentiated: int):
+    """``f(differentiated, others, cotangent) -> (fn(*differentiated, *others), the gradients
+    of sum(cotangent * output) for the differentiated arguments)``, one program to jit.
+
+    Every array a compiled program reads is its argument: a ``jax.jit`` of the function
+    ``jax.vjp`` returns would close over the forward's residuals (the MoE case's expert
+    weights, over a GB at h200-1's widths), and XLA would compile them into the backward as
+    constants (a minute of compiling on a CPU, for the MoE case alone)."""
+    def value_and_vjp(differentiated, others, cotangent):
+        assert len(differentiated) == num_differentiated
+        value, vjp = jax.vjp(lambda *args: fn(*args, *others), *differentiated)
+        return value, vjp(cotangent)
+
+    return value_and_vjp
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,7 +230,7 @@ def cross_entropy_case(trainer, rng, mode: str, reduction: str = "none") -> Case
     if reduction != "none":
         options["reduction"] = reduction
 
-    def loss_fn(hidden, kernel):
+    def loss_fn(hidden, kernel, targets):
         return ring_cross_entropy_global(hidden, kernel, targets, **options)
 
     name = f"cross_entropy_{mode}" if reduction == "none" else f"cross_entropy_{reduction}"
@@ -223,12 +243,12 @@ def cross_entropy_case(trainer, rng, mode: str, reduction: str = "none") -> Case
                             shard_width=shard))
     if reduction == "none":
         cotangent = _put(mesh, _normal(rng, (tokens,)), P(mop.ALL))
-        loss, vjp = jax.jit(lambda h, w: jax.vjp(loss_fn, h, w))(hidden, kernel)
-        d_hidden, d_kernel = jax.jit(vjp)(cotangent)
+        loss, (d_hidden, d_kernel) = jax.jit(_value_and_vjp(loss_fn, 2))(
+            (hidden, kernel), (targets,), cotangent)
     else:
         cotangent = None
         loss, (d_hidden, d_kernel) = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))(
-            hidden, kernel)
+            hidden, kernel, targets)
     case.add("hidden", hidden, "input", "[N, H] final hidden states, split over the devices")
     case.add("kernel", kernel, "input", "[H, V'] output head, vocab split over the devices; "
              "columns >= vocab_size are padding")
@@ -270,11 +290,11 @@ def moe_case(trainer, rng) -> Case:
                    membership="strided", balance="llep", llep_threshold=llep.threshold,
                    llep_capacity=llep.capacity, llep_min_tokens=min_tokens)
 
-    def moe(x, gates, w_gate, w_up, w_down):
+    def moe(x, gates, w_gate, w_up, w_down, expert_ids):
         return pipelined_moe_global(x, expert_ids, gates, w_gate, w_up, w_down, **options)
 
-    y, vjp = jax.jit(lambda *args: jax.vjp(moe, *args))(x, gates, w_gate, w_up, w_down)
-    grads = jax.jit(vjp)(cotangent)
+    y, grads = jax.jit(_value_and_vjp(moe, 5))((x, gates, w_gate, w_up, w_down), (expert_ids,),
+                                               cotangent)
     loads = jnp.asarray(np.bincount(ids.reshape(-1), minlength=experts))
     plan = np.asarray(llep_assignment(loads, width, LLEPConfig(
         threshold=llep.threshold, capacity=llep.capacity, min_tokens=min_tokens)))
@@ -327,12 +347,12 @@ def checkpointed_stack_case(trainer, rng) -> Case:
                        offload=offload)
         return out["h"], out["aux"]
 
-    def objective(h, w_in, w_out):
+    def objective(h, w_in, w_out, cotangent):
         out, aux = stack(h, w_in, w_out)
         return jnp.vdot(out.astype(jnp.float32), cotangent.astype(jnp.float32)) + aux
 
     out, aux = jax.jit(stack)(h, w_in, w_out)
-    grads = jax.jit(jax.grad(objective, argnums=(0, 1, 2)))(h, w_in, w_out)
+    grads = jax.jit(jax.grad(objective, argnums=(0, 1, 2)))(h, w_in, w_out, cotangent)
     case = Case("checkpointed_stack", "checkpointed_stack", "simple",
                 "pf.sco_scan (boundaries offloaded: " + "".join("1" if o else "0"
                                                                   for o in offload)
@@ -451,11 +471,12 @@ def model_case(trainer, rng) -> Case:
     batch_index, batch = _packed_batch(trainer.batches)
     batch = trainer.global_batch(batch)
 
-    def loss_fn(params):
+    def loss_fn(params, extras, batch):
         model = nnx.merge(graphdef, params, extras)
         return model(batch, trainer.runtime, trainer.offload)
 
-    (loss, counts), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
+    (loss, counts), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, extras,
+                                                                               batch)
     ops = config.operators
     case = Case("model", "model", "complex",
                 f"MoEDecoder ({config.name}: moe {ops.moe_dispatch}, loss {ops.loss}, offload "
