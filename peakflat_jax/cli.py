@@ -221,7 +221,8 @@ def _xcheck(args: argparse.Namespace) -> int:
 
     try:
         manifest = export(args.directory, config=args.config, overrides=tuple(args.overrides),
-                          dtype=args.dtype, seed=args.seed)
+                          dtype=args.dtype, seed=args.seed,
+                          log=lambda line: print(line, flush=True))
     except (ConfigError, PlanError) as error:
         raise UsageError(f"peakflat xcheck export: {error}") from None
     print(f"exported {len(manifest['cases'])} cases ({', '.join(manifest['cases'])}) to "

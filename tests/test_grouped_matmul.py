@@ -1,8 +1,9 @@
-"""grouped_matmul: the CPU path is lax.ragged_dot; the choice of implementation (from the device
-a call runs on) and its errors; the block choice; the custom VJP's rule (built from reference
-kernels) against float64."""
+"""grouped_matmul: the CPU path is lax.ragged_dot; the tiled path against float64; the choice of
+implementation (from the device a call runs on) and its errors; the block choice; the custom
+VJP's rule (built from reference kernels) against float64."""
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -143,14 +144,25 @@ def test_choice_follows_the_device():
     bf16 = jnp.bfloat16
     assert gm.select_grouped_matmul(H200, bf16, bf16, 128, 256) == gm.GroupedMatmul("mosaic")
     assert gm.select_grouped_matmul(H200, bf16, bf16, 128, 256, "xla") == gm.GroupedMatmul("xla")
-    assert gm.select_grouped_matmul(A100, bf16, bf16, 128, 256) == gm.GroupedMatmul("xla")
+    assert gm.select_grouped_matmul(A100, bf16, bf16, 128, 256) == gm.GroupedMatmul("tiled")
     assert gm.select_grouped_matmul(jax.devices()[0], bf16, bf16, 128, 256).implementation == "xla"
+    assert gm.select_grouped_matmul(H200, bf16, bf16, 128, 256, "tiled") == gm.GroupedMatmul(
+        "tiled")
     assert gm.GroupedMatmul("mosaic").row_alignment == gm.ROW_ALIGNMENT
     assert gm.GroupedMatmul("xla").row_alignment == 1
-    # On a Hopper GPU where a shape or dtype rules the kernels out: XLA, with a warning.
-    with pytest.warns(UserWarning, match="slow dense lax.ragged_dot.*dtype"):
-        chosen = gm.select_grouped_matmul(H200, jnp.float32, jnp.float32, 128, 256)
-    assert chosen == gm.GroupedMatmul("xla")
+    # fp32 on a Hopper GPU (the kernels take bf16 and f16 only): the tiled path, no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert gm.select_grouped_matmul(H200, jnp.float32, jnp.float32, 128, 256) == (
+            gm.GroupedMatmul("tiled"))
+    # bf16 where a shape rules the kernels out: tiled, with a warning (Mosaic would be faster).
+    with pytest.warns(UserWarning, match="tiled XLA path.*K=192"):
+        chosen = gm.select_grouped_matmul(H200, bf16, bf16, 192, 256)
+    assert chosen == gm.GroupedMatmul("tiled")
+    # The planner's view of the same choice (a GPU taken to be Hopper).
+    assert [gm.planned_path(platform, dtype, dtype, k, 256) for platform, dtype, k in (
+        ("gpu", bf16, 128), ("gpu", jnp.float32, 128), ("gpu", bf16, 192), ("cpu", bf16, 128))
+    ] == ["mosaic", "tiled", "tiled", "xla"]
     with pytest.raises(ValueError, match=r"implementation='mosaic'\) cannot run.*K=192"):
         gm.select_grouped_matmul(H200, bf16, bf16, 192, 256, "mosaic")
     with pytest.raises(RuntimeError, match=r"Hopper GPU.*A100"):
@@ -192,6 +204,64 @@ def test_bad_operands(rng):
         gm.grouped_matmul(x, w, sizes[:1])
     with pytest.raises(ValueError, match="lhs"):
         gm.grouped_matmul(x[:, :3], w, sizes)
+
+
+# ----------------------------------------------------------------------------------------------
+# The tiled path.
+
+
+@pytest.mark.parametrize("sizes,m,tile", [
+    (*GROUPINGS[0], 4), (*GROUPINGS[0], 7), (*GROUPINGS[1], 7), (*GROUPINGS[2], 128),
+    (*GROUPINGS[3], 4), ((100, 0, 21, 8, 70, 0, 3), 210, 16)])
+def test_tiled_path_against_float64(rng, sizes, m, tile):
+    """Tiles that do and do not divide M (the last one moved back), groups that start and end
+    inside tiles, empty groups, padded rows that hold NaN in lhs and in the cotangent (they
+    must not reach any result), and a tile larger than M."""
+    x, w, sizes, ct = draw(rng, sizes, m)
+    total = int(np.sum(sizes))
+    x_padded, ct_padded = x.at[total:].set(jnp.nan), ct.at[total:].set(jnp.nan)
+    fn = jax.jit(gm.tiled_grouped_matmul(tile))
+    out, dx, dw = value_and_grads(fn, x_padded, w, sizes, ct_padded)
+    for name, a, r in zip(("out", "dx", "dw"), (out, dx, dw), reference64(x, w, sizes, ct)):
+        assert a.dtype == jnp.float32 and a.shape == r.shape
+        assert max_relative_error(a, r) < TOL, name
+    assert not np.any(np.asarray(out)[total:]) and not np.any(np.asarray(dx)[total:])
+    for g in np.flatnonzero(np.asarray(sizes) == 0):
+        assert not np.any(np.asarray(dw)[g])
+    assert jax.vjp(fn, x, w, sizes)[1](ct)[2].dtype == jax.dtypes.float0
+
+
+def test_tiled_path_bf16_dtypes_and_the_tile_choice(rng):
+    """bf16 operands: fp32 output, dx and dW in bf16, each rounded once from fp32 products of
+    the fp32 cotangent (as the XLA path's); the call takes tiles of about M / G rows."""
+    x, w, sizes, ct = draw(rng, (50, 14, 0, 16), 80, dtype=jnp.bfloat16)
+    out, dx, dw = value_and_grads(jax.jit(gm.GroupedMatmul("tiled")), x, w, sizes, ct)
+    assert (out.dtype, dx.dtype, dw.dtype) == (jnp.float32, jnp.bfloat16, jnp.bfloat16)
+    xla = value_and_grads(gm.GroupedMatmul("xla"), x, w, sizes, ct)
+    for a, b in zip((out, dx, dw), xla):
+        assert max_relative_error(a, b) < 2.0**-8  # one bf16 rounding apart at most
+    assert [gm.tile_rows_for(m, g) for m, g in ((80, 4), (8192, 64), (256, 64), (10**6, 8))] == [
+        16, 128, 8, 128]
+
+
+def test_tiled_path_inside_shard_map(rng):
+    """Per-device groups under shard_map (operands varying over the mesh axis): values and
+    gradients equal the same calls made device by device."""
+    mesh = make_mesh(("x", 2))
+    x, w, _, ct = draw(rng, (0,) * 6, 64)
+    sizes = jnp.asarray([[9, 0, 11], [0, 30, 1]], jnp.int32)
+    w = w.reshape(2, 3, *w.shape[1:])
+    matmul = gm.GroupedMatmul("tiled")
+    sharded = jax.shard_map(lambda x, w, s: matmul(x, w[0], s[0]), mesh=mesh,
+                            in_specs=(P("x"), P("x"), P("x")), out_specs=P("x"))
+    out, vjp = jax.vjp(lambda x, w: sharded(x, w, sizes), x, w)
+    dx, dw = vjp(ct)
+    for d in range(2):
+        rows = slice(32 * d, 32 * (d + 1))
+        e_out, e_dx, e_dw = value_and_grads(matmul, x[rows], w[d], sizes[d], ct[rows])
+        np.testing.assert_allclose(out[rows], e_out, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(dx[rows], e_dx, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(dw[d], e_dw, rtol=1e-6, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -95,6 +95,13 @@ def test_matches_reference(rng, case, token_budget, membership, balance, backend
     assert_matches_reference(fn, ids, arrays, rng)
 
 
+def test_tiled_grouped_matmul_matches_reference(rng):
+    """The layer on the tiled grouped matmul (the GPU's fp32 path): several chunks with LLEP
+    spilling over 8 devices."""
+    test_matches_reference(rng, 2, 5, "strided", "llep",
+                           backend=MoEBackend(grouped_matmul="tiled"))
+
+
 def test_bf16_foreign_bound_and_data_axis(rng):
     """bf16 inputs (held to bf16 rounding), one foreign expert per device under heavy skew, and
     tokens sharded over a data axis too (weights over the expert axis only)."""
@@ -284,7 +291,7 @@ def opaque_kernels() -> gm.GroupedMatmulKernels:
 def planned_temp(devices, experts, tokens, top_k, hidden, ffn, dtype, path, **kwargs) -> int:
     """XLA's CPU plan (temp bytes per device) of one forward + backward of the layer."""
     mesh = make_mesh(("expert", devices))
-    backend = MoEBackend(grouped_matmul=opaque_kernels() if path == "mosaic" else "xla")
+    backend = MoEBackend(grouped_matmul=opaque_kernels() if path == "mosaic" else path)
     fn = moe_fn(mesh, experts, backend=backend, **kwargs)
     floating = jnp.dtype(dtype)
 
@@ -313,6 +320,8 @@ BOUND_CASES = [
                  dict(token_budget=128, balance="none"), id="f32-mosaic-ep-F>H"),  # 1.22
     pytest.param(8, 16, 512, 8, 512, 128, "float32", "mosaic", dict(token_budget=128),
                  id="f32-mosaic-rows-dominate", marks=pytest.mark.slow),  # 1.04: the tightest
+    pytest.param(2, 8, 512, 4, 256, 128, "bfloat16", "tiled", dict(token_budget=64),
+                 id="bf16-tiled-E_p2"),  # 1.26
 ]
 
 

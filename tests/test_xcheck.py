@@ -58,6 +58,11 @@ def test_fp32_both_sides_agree(exported_fp32, torch_python, tmp_path):
     assert report["passed"] and report["torch_version"].startswith("2.13.0")
     rows = {(r["case"], r["tensor"]): r for r in report["tensors"]}
     assert CASES <= {case for case, _ in rows}
+    # One line per case as it finished, with the JAX export's seconds from the manifest.
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("xcheck ")]
+    assert [line.split(":")[0] for line in lines] == [f"xcheck {c}" for c in report["seconds"]]
+    assert all(": passed " in line and "jax export " in line for line in lines), lines
+    assert set(report["seconds"]) == {case for case, _ in rows}
     manifest = json.loads((exported_fp32 / "manifest.json").read_text())
     for name, case in manifest["cases"].items():  # every output and gradient was compared
         compared = {e["name"] for e in case["arrays"] if e["role"] != "input"}

@@ -5,7 +5,7 @@
 and get zero gradient. ``sum(group_sizes) <= M`` is the caller's promise (it is traced, so not
 checked). ``group_sizes`` gets no gradient.
 
-Two implementations; ``select_grouped_matmul`` is the one place that chooses between them, from
+Three implementations; ``select_grouped_matmul`` is the one place that chooses among them, from
 the device a call runs on (inside ``shard_map``: the mesh's), the dtypes and K, N, unless the
 caller names one. It returns a ``GroupedMatmul``, a frozen (hashable) callable that also says
 how many rows its caller should allocate (``row_alignment``), so that a layer can record the
@@ -14,8 +14,22 @@ choice in its static description.
 ``"xla"``: ``jax.lax.ragged_dot`` with fp32 accumulation and output. Exact and differentiable by
 JAX's own rules, but XLA lowers it densely: on CPU with [G, M, K] temporaries, on a GPU as a
 masked dense matmul with an [M, M]-sized temporary, an order of magnitude slower than the
-Mosaic kernels below (docs/pipelined_moe.md, "The grouped matmul"). It is the path off Hopper,
-in tests, and wherever the Mosaic constraints are not met.
+Mosaic kernels below (docs/pipelined_moe.md, "The grouped matmul"). It is the CPU path (the
+tests' shapes are small, and the planner's CPU terms are checked against it).
+
+``"tiled"``: the rows cut into tiles (``tile_rows_for``: about M / G rows, at most
+``TILE_ROWS``), and one plain ``lax.dot_general`` per (tile, group) pair that holds rows of the
+group, in a ``lax.fori_loop`` whose trip count is the number of such pairs (at most
+M / tile + G - 1; none past ``sum(group_sizes)``). Each row's output is selected from its own
+group's product, so it is that product and nothing else: the XLA path's matmul without the
+G-fold work and the [G, M, K] buffers of its dense lowering. dx is the same loop with rhs
+transposed; dW[g] sums ``lhs_tile^T @ dy_tile`` over the group's tiles, the rows outside the
+group selected to zero in both. A custom VJP keeps dy in fp32, as autodiff of
+``lax.ragged_dot`` does. It is the path on a GPU where the Mosaic kernels cannot run: fp32,
+which they do not take (the cross-check's fp32 run took the dense lowering there before:
+docs/xcheck.md), a GPU other than Hopper, or shapes outside their blocks. Its work is one tile's
+dot per pair: the rows, plus up to G - 1 tiles of spare rows at the groups' edges; each pair
+also reads its group's matrix, so with few rows per group the loop is bound by those reads.
 
 ``"mosaic"``: a ``jax.custom_vjp`` of three Pallas Mosaic GPU kernels that jax ships
 (``jax.experimental.pallas.ops.gpu``):
@@ -75,8 +89,9 @@ unmet; a requested ``"mosaic"`` raises with it):
 - the kernels are single-device custom calls: call under ``jax.shard_map`` (as the MoE layer
   does), not on arrays GSPMD would have to partition.
 
-The automatic choice takes the Mosaic path wherever the constraints hold; on a Hopper GPU where
-a shape or dtype rules it out, the XLA path with a warning, since that is far slower there.
+The automatic choice takes the Mosaic path wherever the constraints hold; elsewhere on a GPU the
+tiled path (with a warning on a Hopper GPU where only the shapes rule the kernels out, since
+they would be faster there); on a CPU the XLA path.
 
 Measured: docs/pipelined_moe.md (records: scripts/results/grouped_matmul_probe_*).
 """
@@ -96,10 +111,15 @@ from jax import lax
 from peakflat_jax.ops._mosaic_hash import share_identical_kernels
 from peakflat_jax.ops._shard import varying_like
 
-IMPLEMENTATIONS = ("xla", "mosaic")
+IMPLEMENTATIONS = ("xla", "mosaic", "tiled")
 # The Mosaic path pads M to a multiple of this (the largest block over M in any kernel), so that
 # no constraint on M remains.
 ROW_ALIGNMENT = 128
+# Rows per dot on the tiled path, at most: fewer, larger dots keep a GPU's cores busy (128 rows
+# is a matmul kernel's tile), while the groups' partial tiles cost up to G - 1 spare tiles of
+# work, so a call with few rows per group takes smaller tiles (``tile_rows_for``).
+TILE_ROWS = 128
+MIN_TILE_ROWS = 8
 MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -153,9 +173,9 @@ class GroupedMatmulKernels:
 class GroupedMatmul:
     """One chosen implementation, called like ``grouped_matmul`` (module doc).
 
-    ``implementation``: ``"xla"`` or ``"mosaic"``. ``kernels``: on the Mosaic path, kernels to
-    use instead of the Mosaic ones (tests, the memory planner); the caller vouches that they
-    run. Hashable, so that it can be part of a static description.
+    ``implementation``: ``"xla"``, ``"mosaic"`` or ``"tiled"``. ``kernels``: on the Mosaic
+    path, kernels to use instead of the Mosaic ones (tests, the memory planner); the caller
+    vouches that they run. Hashable, so that it can be part of a static description.
     """
 
     implementation: str
@@ -182,6 +202,9 @@ class GroupedMatmul:
         group_sizes = group_sizes.astype(jnp.int32)
         if self.implementation == "xla":
             return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+        if self.implementation == "tiled":
+            tile = tile_rows_for(lhs.shape[0], rhs.shape[0])
+            return tiled_grouped_matmul(tile)(lhs, rhs, group_sizes)
         rows = lhs.shape[0]
         aligned = -(-rows // ROW_ALIGNMENT) * ROW_ALIGNMENT
         kernels = self.kernels
@@ -209,8 +232,9 @@ def select_grouped_matmul(device: Any, lhs_dtype, rhs_dtype, k: int, n: int,
     """The grouped matmul for lhs [M, k] and rhs [G, k, n] on ``device`` (a ``jax.Device`` or
     the ``AbstractDevice`` of a mesh: anything with ``platform`` and ``device_kind``).
 
-    ``implementation``: None (Mosaic where it can run, else XLA, with a warning on a Hopper
-    GPU), ``"xla"``, ``"mosaic"`` (raises where it cannot run: RuntimeError for the platform,
+    ``implementation``: None (Mosaic where it can run; else on a GPU the tiled path, with a
+    warning on a Hopper GPU where only the shapes rule Mosaic out; else XLA), ``"xla"``,
+    ``"tiled"``, ``"mosaic"`` (raises where it cannot run: RuntimeError for the platform,
     ValueError for the shapes or dtypes), or ``GroupedMatmulKernels`` (the Mosaic path's rule
     with these kernels, wherever it runs).
     """
@@ -219,8 +243,8 @@ def select_grouped_matmul(device: Any, lhs_dtype, rhs_dtype, k: int, n: int,
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, kernels or None, "
                          f"got {implementation!r}")
-    if implementation == "xla":
-        return GroupedMatmul("xla")
+    if implementation in ("xla", "tiled"):
+        return GroupedMatmul(implementation)
     platform_reason = hopper_gpu_reason(device)
     configs = mosaic_block_configs(ROW_ALIGNMENT, k, n, lhs_dtype, rhs_dtype)
     if platform_reason is None and isinstance(configs, MosaicConfigs):
@@ -229,10 +253,21 @@ def select_grouped_matmul(device: Any, lhs_dtype, rhs_dtype, k: int, n: int,
     if implementation == "mosaic":
         error = RuntimeError if platform_reason else ValueError
         raise error(f"grouped_matmul(implementation='mosaic') cannot run: {reason}")
-    if platform_reason is None:
-        warnings.warn(f"grouped_matmul: taking the slow dense lax.ragged_dot path on a Hopper "
-                      f"GPU because the Mosaic kernels cannot run: {reason}", stacklevel=3)
-    return GroupedMatmul("xla")
+    if device.platform != "gpu":
+        return GroupedMatmul("xla")
+    if platform_reason is None and _mosaic_dtypes(lhs_dtype, rhs_dtype):
+        warnings.warn(f"grouped_matmul: taking the tiled XLA path on a Hopper GPU, slower than "
+                      f"the Mosaic kernels, because they cannot run: {reason}", stacklevel=3)
+    return GroupedMatmul("tiled")
+
+
+def planned_path(platform: str, lhs_dtype, rhs_dtype, k: int, n: int) -> str:
+    """The implementation ``select_grouped_matmul`` takes on ``platform`` ("gpu" taken to be a
+    Hopper GPU, as the configs' machines are), for the memory planner, which has no device."""
+    if platform != "gpu":
+        return "xla"
+    configs = mosaic_block_configs(ROW_ALIGNMENT, k, n, lhs_dtype, rhs_dtype)
+    return "mosaic" if isinstance(configs, MosaicConfigs) else "tiled"
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
@@ -292,7 +327,7 @@ def mosaic_block_configs(m: int, k: int, n: int, lhs_dtype,
     where they divide (no smaller blocks are offered: module doc), else a string naming the
     constraint unmet."""
     lhs_dtype, rhs_dtype = jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype)
-    if lhs_dtype != rhs_dtype or lhs_dtype not in MOSAIC_DTYPES:
+    if not _mosaic_dtypes(lhs_dtype, rhs_dtype):
         return (f"the Mosaic kernels need lhs and rhs of one dtype in "
                 f"{[str(d) for d in MOSAIC_DTYPES]}, got {lhs_dtype} and {rhs_dtype}")
     # Each kernel as (rows, cols, contraction) of its own output and sum, with our names.
@@ -305,6 +340,11 @@ def mosaic_block_configs(m: int, k: int, n: int, lhs_dtype,
         if isinstance(fitted, str):
             return fitted
     return MosaicConfigs(forward=forward, input_grad=input_grad, weight_grad=weight_grad)
+
+
+def _mosaic_dtypes(lhs_dtype, rhs_dtype) -> bool:
+    lhs_dtype, rhs_dtype = jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype)
+    return lhs_dtype == rhs_dtype and lhs_dtype in MOSAIC_DTYPES
 
 
 def _fit(kernel: str, preferred: BlockConfig, rows: tuple[str, int], cols: tuple[str, int],
@@ -423,3 +463,119 @@ def _rows_in_two_parts(kernel: Callable, head_rows: int | None) -> Callable:
         return jnp.concatenate([head, tail])
 
     return call
+
+
+# ----------------------------------------------------------------------------------------------
+# The tiled path: plain dots over (row tile, group) pairs, for a GPU where the Mosaic kernels
+# cannot run (fp32 above all).
+
+
+def tile_rows_for(rows: int, groups: int) -> int:
+    """The tiled path's rows per dot for M = ``rows`` and G = ``groups``: the largest power of
+    two up to M / G, within [MIN_TILE_ROWS, TILE_ROWS], so that the spare rows of the groups'
+    partial tiles, at most (G - 1) * tile, stay within about M."""
+    tile = MIN_TILE_ROWS
+    while tile * 2 <= min(TILE_ROWS, rows // max(groups, 1)):
+        tile *= 2
+    return tile
+
+
+@functools.lru_cache(maxsize=None)
+def tiled_grouped_matmul(tile_rows: int = TILE_ROWS) -> Callable:
+    """``f(lhs [M, K], rhs [G, K, N], group_sizes int32) -> [M, N] fp32`` as a loop of dots
+    (module doc, ``"tiled"``), with its own VJP: dx = dy_g @ rhs[g]^T and dW[g] = lhs_g^T @ dy_g
+    by the same loop, dy kept in fp32 (as the XLA path's autodiff keeps it), dx and dW in the
+    dtypes of lhs and rhs, no gradient for group_sizes."""
+
+    @jax.custom_vjp
+    def grouped(lhs, rhs, group_sizes):
+        return _tiled_products(lhs, rhs, group_sizes, tile_rows, transpose_rhs=False)
+
+    def grouped_fwd(lhs, rhs, group_sizes):
+        return grouped(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+    def grouped_bwd(residuals, d_out):
+        lhs, rhs, group_sizes = residuals
+        d_out = d_out.astype(jnp.float32)
+        dx = _tiled_products(d_out, rhs, group_sizes, tile_rows, transpose_rhs=True)
+        dw = _tiled_weight_grad(lhs, d_out, group_sizes, rhs.shape[0], tile_rows)
+        return (varying_like(dx.astype(lhs.dtype), lhs), varying_like(dw.astype(rhs.dtype), rhs),
+                None)
+
+    grouped.defvjp(grouped_fwd, grouped_bwd)
+    return grouped
+
+
+class _TileItems:
+    """The (row tile, group) pairs that hold a group's rows, in row order: item i belongs to
+    group ``group(i)`` and covers rows ``[lo(i), hi(i))`` of the tile that starts at row
+    ``start(i)`` (tiles of ``tile`` rows, the last one moved back to end at row M, so that a
+    slice never runs past the operand; ``lo`` and ``hi`` stay those of the unmoved tile, so
+    that no row is taken twice). ``count`` items in all (traced), at most M / tile + G - 1."""
+
+    def __init__(self, group_sizes: jax.Array, rows: int, tile: int):
+        self.rows, self.tile = rows, tile
+        self.ends = jnp.cumsum(group_sizes)
+        self.starts = self.ends - group_sizes
+        self.first_tile = self.starts // tile
+        tiles = jnp.where(group_sizes > 0, (self.ends - 1) // tile - self.first_tile + 1, 0)
+        self.item_ends = jnp.cumsum(tiles)
+        self.item_starts = self.item_ends - tiles
+        self.count = self.item_ends[-1]
+
+    def item(self, i):
+        """(group, start, mask [tile] of the rows of the slice at start that the item owns)."""
+        group = jnp.sum(self.item_ends <= i).astype(jnp.int32)
+        nominal = (self.first_tile[group] + i - self.item_starts[group]) * self.tile
+        start = jnp.minimum(nominal, self.rows - self.tile)
+        lo = jnp.maximum(self.starts[group], nominal)
+        hi = jnp.minimum(self.ends[group], nominal + self.tile)
+        row = start + jnp.arange(self.tile, dtype=jnp.int32)
+        return group, start, (row >= lo) & (row < hi)
+
+
+def _tiled_products(a, rhs, group_sizes, tile_rows: int, *, transpose_rhs: bool):
+    """``[M, n]`` fp32: row r of ``a`` times its group's ``rhs[g]`` (``rhs[g]^T`` with
+    ``transpose_rhs``), zero past the groups. Each row is written once, by a select, so it holds
+    exactly its own product, whatever the other rows of its tile hold."""
+    rows = a.shape[0]
+    tile = min(tile_rows, rows)
+    items = _TileItems(group_sizes.astype(jnp.int32), rows, tile)
+    contract = 1 if transpose_rhs else 0  # rhs[g]'s dimension that meets a's columns
+    width = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+
+    def body(i, out):
+        group, start, mask = items.item(i)
+        block = lax.dynamic_slice_in_dim(a, start, tile)
+        matrix = lax.dynamic_index_in_dim(rhs, group, keepdims=False)
+        if block.dtype != matrix.dtype:  # fp32 dy and a bf16 weight: upcast, exact
+            block, matrix = block.astype(jnp.float32), matrix.astype(jnp.float32)
+        product = lax.dot_general(block, matrix, (((1,), (contract,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+        current = lax.dynamic_slice_in_dim(out, start, tile)
+        return lax.dynamic_update_slice_in_dim(out, jnp.where(mask[:, None], product, current),
+                                               start, 0)
+
+    out = varying_like(jnp.zeros((rows, width), jnp.float32), a, rhs, group_sizes)
+    return lax.fori_loop(0, items.count, body, out)
+
+
+def _tiled_weight_grad(lhs, dy, group_sizes, num_groups: int, tile_rows: int):
+    """``[G, K, N]`` fp32: ``lhs_g^T @ dy_g`` per group, each tile's rows outside its group
+    selected to zero in both operands first (so that padding, even NaN, adds nothing)."""
+    rows = lhs.shape[0]
+    tile = min(tile_rows, rows)
+    items = _TileItems(group_sizes.astype(jnp.int32), rows, tile)
+
+    def body(i, dw):
+        group, start, mask = items.item(i)
+        block = jnp.where(mask[:, None], lax.dynamic_slice_in_dim(lhs, start, tile), 0)
+        d_block = jnp.where(mask[:, None], lax.dynamic_slice_in_dim(dy, start, tile), 0.0)
+        part = lax.dot_general(block.astype(jnp.float32), d_block, (((0,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+        current = lax.dynamic_index_in_dim(dw, group, keepdims=False)
+        return lax.dynamic_update_index_in_dim(dw, current + part, group, 0)
+
+    dw = varying_like(jnp.zeros((num_groups, lhs.shape[1], dy.shape[1]), jnp.float32), lhs, dy,
+                      group_sizes)
+    return lax.fori_loop(0, items.count, body, dw)

@@ -650,6 +650,11 @@ MEMORY_FORMULAS: dict[str, str] = {
     "xla_dense_expansion": "6 * G * M * (H + F) * 4 on the XLA path: lax.ragged_dot's dense "
                            "lowering, [G, M, K] masked operands and [G, M, N] products, one "
                            "chunk at a time",
+    "tiled_loop": "4 * G * H * F * (1 + 3 [b < 4]) + H * F * (3 * 4 + b) on the tiled path "
+                  "(as XLA's CPU plans of the layer hold it beyond the Mosaic path's): one fp32 "
+                  "weight gradient's worth more, and where the weights are narrower than fp32 "
+                  "the three weight gradients' fp32 loop carries beside their casts; one "
+                  "iteration's weight slice, the gradient's part and the slice it adds to",
 }
 
 
@@ -665,8 +670,8 @@ def pipelined_moe_memory_terms(*, num_tokens: int, hidden: int, ffn: int, top_k:
     """Per-device bytes of each term of the layer's bound (``MEMORY_FORMULAS``), for one
     forward + backward with the padded exchange, beyond its inputs, outputs and their
     gradients. Arguments as ``pipelined_moe``'s (num_tokens = N per rank, dtype = x's);
-    ``grouped_matmul``: ``"mosaic"`` or ``"xla"``, the path the devices take. A term that does
-    not apply is 0."""
+    ``grouped_matmul``: ``"mosaic"``, ``"xla"`` or ``"tiled"``, the path the devices take
+    (``grouped_matmul.planned_path``). A term that does not apply is 0."""
     num_chunks = _num_chunks(num_tokens, token_budget, max_chunks)
     llep = _checked_llep(LLEPConfig(threshold=llep_threshold, capacity=llep_capacity,
                                     max_foreign_experts=max_foreign_experts),
@@ -687,13 +692,17 @@ def pipelined_moe_memory_terms(*, num_tokens: int, hidden: int, ffn: int, top_k:
         "routing": 4 * num_tokens * top_k * (12 + num_devices + foreign),
         "mosaic_head_rows": 0,
         "xla_dense_expansion": 0,
+        "tiled_loop": 0,
     }
     if grouped_matmul == "mosaic":
         aligned = -(-rows // ROW_ALIGNMENT) * ROW_ALIGNMENT
         head = -(-_expected_rows(llep, top_k, chunk_tokens) // ROW_ALIGNMENT) * ROW_ALIGNMENT
         terms["mosaic_head_rows"] = head * hidden * b if head < aligned else 0
-    else:
+    elif grouped_matmul == "xla":
         terms["xla_dense_expansion"] = 6 * groups * rows * (hidden + ffn) * 4
+    else:
+        terms["tiled_loop"] = (4 * groups * hidden * ffn * (1 + (3 if b < 4 else 0))
+                               + hidden * ffn * (3 * 4 + b))
     return terms
 
 

@@ -429,12 +429,14 @@ def phase_total(terms, phase: str) -> int:
 def _moe_terms(config: Config, knobs: Knobs, platform: str) -> tuple[dict, dict]:
     """pf.pipelined_moe's terms for the configured dispatch (the operator's own function)."""
     from peakflat_jax.ops import pipelined_moe as moe_module
+    from peakflat_jax.ops.grouped_matmul import planned_path
 
     model, llep = config.model, config.operators.llep
     common = dict(num_tokens=knobs.tokens_per_device, hidden=model.hidden,
                   ffn=model.expert_ffn, top_k=model.top_k, num_experts=model.num_experts,
                   num_devices=knobs.num_devices, dtype=model.dtype,
-                  grouped_matmul="mosaic" if platform == "gpu" else "xla")
+                  grouped_matmul=planned_path(platform, model.dtype, model.dtype,
+                                              model.hidden, model.expert_ffn))
     if knobs.moe_dispatch == "ep":
         terms = moe_module.unchunked_moe_memory_terms(balance="none", **common)
     else:

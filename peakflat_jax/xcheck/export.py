@@ -28,8 +28,9 @@ as their uint16 bit patterns (numpy has no bfloat16), which the manifest says. G
 ``sum(output * cotangent)`` with an exported random cotangent, or of the scalar loss.
 
 The manifest (``FORMAT``): the seed, dtype, config name and model section, jax version,
-device, matmul precision, commit; per case its function, parameters, tolerance kind, and per
-array its name, shape, dtype, storage, role (input / output / gradient) and what it is.
+device, matmul precision, commit; per case its function, parameters, tolerance kind, the
+seconds its JAX side took (``export_seconds``), and per array its name, shape, dtype, storage,
+role (input / output / gradient) and what it is.
 
 Why fp32 matmuls run at "highest" precision: on GPUs XLA's default fp32 dot is TF32 (10-bit
 mantissa), which no fp32 tolerance admits and which torch does not use by default; the check
@@ -48,6 +49,8 @@ import inspect
 import json
 import math
 import pathlib
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -87,6 +90,7 @@ class Case:
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     arrays: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     entries: list[dict] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0  # wall time of the JAX side: tracing, compiling, running, fetching
 
     def add(self, name: str, value, role: str, what: str) -> None:
         value = np.asarray(jax.device_get(value))
@@ -99,12 +103,17 @@ class Case:
 
 
 def export(directory: str | pathlib.Path, *, config: str = "tiny", overrides: tuple = (),
-           dtype: str = "float32", seed: int = 0) -> dict:
-    """Writes every case and the manifest under ``directory``; returns the manifest."""
+           dtype: str = "float32", seed: int = 0,
+           log: Callable[[str], None] | None = None) -> dict:
+    """Writes every case and the manifest under ``directory``; returns the manifest. ``log``
+    gets one line as the setup and as each case finishes, with its seconds (``peakflat xcheck``
+    prints them flushed, so that a log cut off by a timeout shows where the time went)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
+    log = log or (lambda line: None)
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
     run_config = load_config(config, [*overrides, f"model.dtype={dtype}", f"train.seed={seed}",
                                       f"data.seed={seed}"])
     _check_torch_side_models(run_config.model)
@@ -113,18 +122,25 @@ def export(directory: str | pathlib.Path, *, config: str = "tiny", overrides: tu
 
     # The check is of the operators: those a config leaves auto are checked on.
     trainer = Trainer(with_operators_on(run_config), run_dir=str(directory / "unused"))
+    log(f"xcheck export: setup (config, plan, data pipeline) {time.perf_counter() - started:.1f} s")
     rng = np.random.default_rng(seed)
     precision = "highest" if dtype == "float32" else "default"
+    # In this order: each draws its inputs from the one rng, so the order fixes every input.
+    makers = [lambda: cross_entropy_case(trainer, rng, "move_weights"),
+              lambda: cross_entropy_case(trainer, rng, "move_activations")]
+    if "reduction" in inspect.signature(ring_cross_entropy).parameters:
+        makers.append(lambda: cross_entropy_case(trainer, rng, "auto", reduction="mean"))
+    makers += [lambda: moe_case(trainer, rng), lambda: checkpointed_stack_case(trainer, rng),
+               lambda: adamw_case(trainer, rng), lambda: model_case(trainer, rng)]
+    cases = []
     with jax.default_matmul_precision(precision) if dtype == "float32" else (
             contextlib.nullcontext()):
-        cases = [
-            cross_entropy_case(trainer, rng, "move_weights"),
-            cross_entropy_case(trainer, rng, "move_activations"),
-        ]
-        if "reduction" in inspect.signature(ring_cross_entropy).parameters:
-            cases.append(cross_entropy_case(trainer, rng, "auto", reduction="mean"))
-        cases += [moe_case(trainer, rng), checkpointed_stack_case(trainer, rng),
-                  adamw_case(trainer, rng), model_case(trainer, rng)]
+        for make in makers:
+            started = time.perf_counter()
+            case = make()  # its arrays are fetched to the host: the case's work is done
+            case.seconds = time.perf_counter() - started
+            log(f"xcheck export: {case.name} {case.seconds:.1f} s")
+            cases.append(case)
     from peakflat_jax.bench.harness import describe_device, git_commit
 
     manifest = {
@@ -141,7 +157,8 @@ def export(directory: str | pathlib.Path, *, config: str = "tiny", overrides: tu
         np.savez(directory / file, **case.arrays)
         manifest["cases"][case.name] = {
             "file": file, "function": case.function, "tolerance": case.tolerance,
-            "description": case.description, "params": case.params, "arrays": case.entries}
+            "description": case.description, "params": case.params,
+            "export_seconds": round(case.seconds, 3), "arrays": case.entries}
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
@@ -178,12 +195,32 @@ def _tokens(trainer) -> tuple[int, int]:
 
 
 def _normal(rng, shape, std=1.0) -> np.ndarray:
-    return (rng.standard_normal(shape) * std).astype(np.float32)
+    """fp32 normals, drawn as fp32 (at h200-1's widths the MoE case draws 400M of them: drawing
+    float64 and casting took four times as long)."""
+    value = rng.standard_normal(shape, dtype=np.float32)
+    value *= np.float32(std)
+    return value
 
 
 def _put(mesh, value, spec: P, dtype=None) -> jax.Array:
     value = jnp.asarray(value, dtype)
     return jax.device_put(value, NamedSharding(mesh, spec))
+
+
+def _value_and_vjp(fn, num_differentiated: int):
+    """``f(differentiated, others, cotangent) -> (fn(*differentiated, *others), the gradients
+    of sum(cotangent * output) for the differentiated arguments)``, one program to jit.
+
+    Every array a compiled program reads is its argument: a ``jax.jit`` of the function
+    ``jax.vjp`` returns would close over the forward's residuals (the MoE case's expert
+    weights, over a GB at h200-1's widths), and XLA would compile them into the backward as
+    constants (a minute of compiling on a CPU, for the MoE case alone)."""
+    def value_and_vjp(differentiated, others, cotangent):
+        assert len(differentiated) == num_differentiated
+        value, vjp = jax.vjp(lambda *args: fn(*args, *others), *differentiated)
+        return value, vjp(cotangent)
+
+    return value_and_vjp
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,7 +249,7 @@ def cross_entropy_case(trainer, rng, mode: str, reduction: str = "none") -> Case
     if reduction != "none":
         options["reduction"] = reduction
 
-    def loss_fn(hidden, kernel):
+    def loss_fn(hidden, kernel, targets):
         return ring_cross_entropy_global(hidden, kernel, targets, **options)
 
     name = f"cross_entropy_{mode}" if reduction == "none" else f"cross_entropy_{reduction}"
@@ -225,12 +262,12 @@ def cross_entropy_case(trainer, rng, mode: str, reduction: str = "none") -> Case
                             shard_width=shard))
     if reduction == "none":
         cotangent = _put(mesh, _normal(rng, (tokens,)), P(mop.ALL))
-        loss, vjp = jax.jit(lambda h, w: jax.vjp(loss_fn, h, w))(hidden, kernel)
-        d_hidden, d_kernel = jax.jit(vjp)(cotangent)
+        loss, (d_hidden, d_kernel) = jax.jit(_value_and_vjp(loss_fn, 2))(
+            (hidden, kernel), (targets,), cotangent)
     else:
         cotangent = None
         loss, (d_hidden, d_kernel) = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))(
-            hidden, kernel)
+            hidden, kernel, targets)
     case.add("hidden", hidden, "input", "[N, H] final hidden states, split over the devices")
     case.add("kernel", kernel, "input", "[H, V'] output head, vocab split over the devices; "
              "columns >= vocab_size are padding")
@@ -272,11 +309,11 @@ def moe_case(trainer, rng) -> Case:
                    membership="strided", balance="llep", llep_threshold=llep.threshold,
                    llep_capacity=llep.capacity, llep_min_tokens=min_tokens)
 
-    def moe(x, gates, w_gate, w_up, w_down):
+    def moe(x, gates, w_gate, w_up, w_down, expert_ids):
         return pipelined_moe_global(x, expert_ids, gates, w_gate, w_up, w_down, **options)
 
-    y, vjp = jax.jit(lambda *args: jax.vjp(moe, *args))(x, gates, w_gate, w_up, w_down)
-    grads = jax.jit(vjp)(cotangent)
+    y, grads = jax.jit(_value_and_vjp(moe, 5))((x, gates, w_gate, w_up, w_down), (expert_ids,),
+                                               cotangent)
     loads = jnp.asarray(np.bincount(ids.reshape(-1), minlength=experts))
     plan = np.asarray(llep_assignment(loads, width, LLEPConfig(
         threshold=llep.threshold, capacity=llep.capacity, min_tokens=min_tokens)))
@@ -329,12 +366,12 @@ def checkpointed_stack_case(trainer, rng) -> Case:
                        offload=offload)
         return out["h"], out["aux"]
 
-    def objective(h, w_in, w_out):
+    def objective(h, w_in, w_out, cotangent):
         out, aux = stack(h, w_in, w_out)
         return jnp.vdot(out.astype(jnp.float32), cotangent.astype(jnp.float32)) + aux
 
     out, aux = jax.jit(stack)(h, w_in, w_out)
-    grads = jax.jit(jax.grad(objective, argnums=(0, 1, 2)))(h, w_in, w_out)
+    grads = jax.jit(jax.grad(objective, argnums=(0, 1, 2)))(h, w_in, w_out, cotangent)
     case = Case("checkpointed_stack", "checkpointed_stack", "simple",
                 "pf.sco_scan (boundaries offloaded: " + "".join("1" if o else "0"
                                                                   for o in offload)
@@ -453,11 +490,12 @@ def model_case(trainer, rng) -> Case:
     batch_index, batch = _packed_batch(trainer.batches)
     batch = trainer.global_batch(batch)
 
-    def loss_fn(params):
+    def loss_fn(params, extras, batch):
         model = nnx.merge(graphdef, params, extras)
         return model(batch, trainer.runtime, trainer.offload)
 
-    (loss, counts), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
+    (loss, counts), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, extras,
+                                                                               batch)
     ops = config.operators
     case = Case("model", "model", "complex",
                 f"MoEDecoder ({config.name}: moe {ops.moe_dispatch}, loss {ops.loss}, offload "

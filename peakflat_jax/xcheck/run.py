@@ -96,8 +96,8 @@ def run(*, config: str, overrides: list[str], dtype: str, seed: int, directory: 
 
     device = torch_device or ("cuda" if torch.cuda.is_available() else "cpu")
     report = torch_side.check(directory, device=device, reference=reference,
-                              log=lambda line: print(line, file=sys.stderr))
-    print(torch_side.format_report(report))
+                              log=lambda line: print(line, flush=True))
+    print(torch_side.format_report(report), flush=True)
     return write_record(report, directory, dtype=dtype, seed=seed, command=command,
                         record_dir=record_dir)
 
@@ -120,7 +120,7 @@ def write_record(report: dict, directory: pathlib.Path, *, dtype: str, seed: int
         "tolerances": report["tolerances"],
         "cases": {name: case["params"] for name, case in manifest["cases"].items()
                   if name != "model"},
-        "tensors": report["tensors"],
+        "seconds": report["seconds"], "tensors": report["tensors"],
     }
     out_dir = pathlib.Path(record_dir) if record_dir else RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -68,6 +68,7 @@ import math
 import pathlib
 import platform
 import sys
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -86,6 +87,8 @@ TOLERANCES = {
                  "fp32": 1e-5, "bf16_rounding": 2 * UNIT_ROUNDOFF_BF16, "routing": 1 / 32},
 }
 """Per run dtype, per tensor kind: the largest relative difference that passes (module doc)."""
+COMPARE_BLOCK = 1 << 22
+"""Elements compared at a time (``relative_difference``): 32 MiB of float64 per operand."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,13 +147,19 @@ def swiglu(x, w_gate, w_up, w_down):
 
 
 def experts_loop(x, expert_ids, gates, w_gate, w_up, w_down):
-    """``y[n] = sum_j gates[n, j] * ffn_{expert_ids[n, j]}(x[n])``, a loop over experts."""
+    """``y[n] = sum_j gates[n, j] * ffn_{expert_ids[n, j]}(x[n])``, a loop over experts.
+
+    The stacked weights are unbound into one view per expert first, as Mixtral's experts are
+    modules of their own: indexing ``w[expert]`` in the loop would make autograd add a zero
+    [E, ...] gradient per expert (E full-size passes per weight, minutes on a CPU at 64
+    experts), where unbind's backward stacks the experts' gradients once."""
     y = torch.zeros_like(x)
-    for expert in range(w_gate.shape[0]):
+    experts = zip(w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0))
+    for expert, (gate, up, down) in enumerate(experts):
         token, slot = torch.where(expert_ids == expert)
         if token.numel() == 0:
             continue
-        out = swiglu(x[token], w_gate[expert], w_up[expert], w_down[expert])
+        out = swiglu(x[token], gate, up, down)
         y = y.index_add(0, token, out * gates[token, slot, None].to(out.dtype))
     return y
 
@@ -484,14 +493,20 @@ def relative_difference(actual: np.ndarray, expected: np.ndarray) -> float:
         total = 2 * np.abs(expected).sum()
         return float(np.abs(actual.astype(np.int64) - expected.astype(np.int64)).sum()
                      / max(total, 1))
-    actual, expected = actual.astype(np.float64), expected.astype(np.float64)
-    if not (np.all(np.isfinite(actual)) and np.all(np.isfinite(expected))):
-        return math.inf
-    scale = np.max(np.abs(expected), initial=0.0)
-    error = np.max(np.abs(actual - expected), initial=0.0)
+    # Block by block: float64 copies of whole tensors (134M elements per expert weight
+    # gradient at h200-1's widths) made the comparisons slower than the computations.
+    actual, expected = actual.reshape(-1), expected.reshape(-1)
+    error = scale = 0.0
+    for start in range(0, actual.size, COMPARE_BLOCK):
+        a = actual[start:start + COMPARE_BLOCK].astype(np.float64)
+        b = expected[start:start + COMPARE_BLOCK].astype(np.float64)
+        if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+            return math.inf
+        error = max(error, float(np.max(np.abs(a - b))))
+        scale = max(scale, float(np.max(np.abs(b))))
     if scale == 0.0:
         return 0.0 if error == 0.0 else math.inf
-    return float(error / scale)
+    return error / scale
 
 
 def tolerance_kind(case: dict, entry: dict, run_dtype: str) -> str:
@@ -522,7 +537,9 @@ def exported_numpy(value: np.ndarray, entry: dict) -> np.ndarray:
 def check(directory, *, device: str = "cpu", reference: str = "float64",
           cases: list[str] | None = None, log: Callable[[str], None] = print) -> dict:
     """Recomputes every case of ``directory`` and compares; returns the report (``passed``,
-    ``tensors``: one row per compared tensor)."""
+    ``tensors``: one row per compared tensor; ``seconds``: per case, the JAX side's from the
+    manifest, this side's, the float64 reference's and the comparisons'). ``log`` gets one line
+    per case as it finishes (``case_line``)."""
     directory = pathlib.Path(directory)
     manifest = json.loads((directory / "manifest.json").read_text())
     if manifest.get("format") != FORMAT:
@@ -530,16 +547,22 @@ def check(directory, *, device: str = "cpu", reference: str = "float64",
                          f"{manifest.get('format')!r}")
     run_dtype = manifest["dtype"]
     tolerances = TOLERANCES[run_dtype]
-    rows = []
+    rows, seconds = [], {}
     for name, case in manifest["cases"].items():
         if cases and name not in cases:
             continue
         function = CASES[case["function"]]
         stored = load_case(directory, case)
         inputs = {e["name"]: stored[e["name"]] for e in case["arrays"] if e["role"] == "input"}
-        result = function(as_compute(inputs, None, device), case["params"])
-        exact = (function(as_compute(inputs, torch.float64, device), case["params"])
-                 if reference == "float64" else None)
+        result, torch_seconds = timed(function, as_compute(inputs, None, device),
+                                      case["params"], device=device)
+        exact, float64_seconds = (timed(function, as_compute(inputs, torch.float64, device),
+                                        case["params"], device=device)
+                                  if reference == "float64" else (None, None))
+        seconds[name] = {"export": case.get("export_seconds"), "torch": round(torch_seconds, 3),
+                         "float64": None if float64_seconds is None else round(
+                             float64_seconds, 3)}
+        started = time.perf_counter()
         with np.load(directory / case["file"]) as npz:
             for entry in case["arrays"]:
                 if entry["role"] == "input":
@@ -559,8 +582,8 @@ def check(directory, *, device: str = "cpu", reference: str = "float64",
                     row["torch_vs_float64"] = relative_difference(torch_value, exact_value)
                 row["passed"] = bool(row["difference"] <= row["tolerance"])
                 rows.append(row)
-        log(f"{name}: {sum(r['passed'] for r in rows if r['case'] == name)}/"
-            f"{sum(r['case'] == name for r in rows)} tensors within tolerance")
+        seconds[name]["compare"] = round(time.perf_counter() - started, 3)
+        log(case_line(name, [r for r in rows if r["case"] == name], seconds[name]))
     return {
         "format": FORMAT, "directory": str(directory), "dtype": run_dtype,
         "seed": manifest["seed"], "config": manifest["config"],
@@ -568,8 +591,39 @@ def check(directory, *, device: str = "cpu", reference: str = "float64",
         "torch_version": torch.__version__, "torch_device": describe_torch_device(device),
         "python": platform.python_version(), "reference": reference,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "tolerances": tolerances, "tensors": rows, "passed": all(r["passed"] for r in rows),
+        "tolerances": tolerances, "seconds": seconds, "tensors": rows,
+        "passed": all(r["passed"] for r in rows),
     }
+
+
+def timed(function: Callable, inputs: dict, params: dict, *, device: str):
+    """``(function(inputs, params), seconds)``, the device's queue drained before the clock
+    stops (CUDA runs asynchronously)."""
+    started = time.perf_counter()
+    result = function(inputs, params)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+    return result, time.perf_counter() - started
+
+
+def case_line(name: str, rows: list[dict], seconds: dict) -> str:
+    """One case's line: pass / fail, the tensor nearest its tolerance (largest difference over
+    tolerance) with its difference, and the seconds of each side."""
+    def margin(row):
+        if row["tolerance"] > 0:
+            return row["difference"] / row["tolerance"]
+        return math.inf if row["difference"] > 0 else 0.0
+
+    failed = sum(not r["passed"] for r in rows)
+    worst = max(rows, key=margin)
+    verdict = f"FAILED {failed} of {len(rows)}" if failed else f"passed {len(rows)}"
+    export = seconds.get("export")
+    float64 = seconds.get("float64")
+    return (f"xcheck {name}: {verdict} tensors; largest difference {worst['difference']:.2e} "
+            f"({worst['tensor']}, tolerance {worst['tolerance']:.0e}); seconds: jax export "
+            f"{'-' if export is None else f'{export:.2f}'}, torch {seconds['torch']:.2f}"
+            f"{'' if float64 is None else f', float64 reference {float64:.2f}'}, compare "
+            f"{seconds['compare']:.2f}")
 
 
 def describe_torch_device(device: str) -> str:
@@ -612,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the report as JSON to this path")
     args = parser.parse_args(argv)
     report = check(args.directory, device=args.device, reference=args.reference,
-                   cases=args.case, log=lambda line: print(line, file=sys.stderr))
+                   cases=args.case, log=lambda line: print(line, flush=True))
     print(format_report(report))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
