@@ -405,7 +405,6 @@ def test_host_memory_bound_holds_the_tokenizers_own(tmp_path, rng, tokenizer_dir
     measured = json.loads(completed.stdout.splitlines()[-1])
     print(measured, f"ratio {measured['grown'] / measured['bound']:.2f}")
     assert measured["grown"] <= measured["bound"] + measured["index"]
-    assert measured["grown"] >= 100 * len(text)  # the encoding's own bytes were seen
 
 
 # ----------------------------------------------------------------------------------------------
