@@ -151,8 +151,8 @@ def experts_loop(x, expert_ids, gates, w_gate, w_up, w_down):
 
     The stacked weights are unbound into one view per expert first, as Mixtral's experts are
     modules of their own: indexing ``w[expert]`` in the loop would make autograd add a zero
-    [E, ...] gradient per expert (E full-size passes per weight, minutes on a CPU at 64
-    experts), where unbind's backward stacks the experts' gradients once."""
+    [E, ...] gradient per expert (E full-size passes per weight: docs/xcheck.md), where
+    unbind's backward stacks the experts' gradients once."""
     y = torch.zeros_like(x)
     experts = zip(w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0))
     for expert, (gate, up, down) in enumerate(experts):
@@ -487,15 +487,15 @@ CASES: dict[str, Callable[[dict, dict], dict]] = {
 def relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """``max|a - b| / max|b|`` in float64 (module doc); for integers the share of differing
     routed slots. Both tensors on one device: on a GPU the comparisons run there, on a CPU in
-    numpy (which was 4x faster than torch at this on the 2-core machines)."""
+    numpy (faster than torch at this on the 2-core machines: docs/xcheck.md)."""
     if actual.shape != expected.shape:
         return math.inf
     if not expected.is_floating_point():
         actual, expected = actual.to(torch.int64), expected.to(torch.int64)
         total = 2 * expected.abs().sum().item()
         return float((actual - expected).abs().sum().item() / max(total, 1))
-    # Block by block: float64 copies of whole tensors (134M elements per expert weight
-    # gradient at h200-1's widths) made the comparisons slower than the computations.
+    # Block by block: float64 copies of whole tensors (an expert weight gradient at h200-1's
+    # widths is 64 x 2048 x 1024) made the comparisons slower than the computations.
     actual, expected = actual.detach().reshape(-1), expected.detach().reshape(-1)
     if actual.device.type == "cpu":
         actual, expected = _as_numpy(actual), _as_numpy(expected)
