@@ -122,6 +122,34 @@ def test_bf16_both_sides_agree(torch_python, tmp_path):
     assert kinds[("adamw", "step3.working.kernel")] == "bf16_rounding"
 
 
+COMPARE_BOTH_WAYS = """
+import sys, numpy as np, torch
+sys.path.insert(0, sys.argv[1])
+import torch_side as ts
+rng = np.random.default_rng(7)
+a = rng.standard_normal(1000).astype(np.float32)
+b = (a + 1e-4 * rng.standard_normal(1000)).astype(np.float32)
+blocks = [(a, b), (a[:1], b[:1]), (a, np.zeros_like(b))]
+bad = b.copy(); bad[3] = np.nan
+blocks += [(a, bad), (np.where(a > 2, np.inf, a).astype(np.float32), b)]
+for x, y in blocks:  # the torch branch (a GPU's) and the numpy branch (a CPU's)
+    assert ts._block_extrema(torch.from_numpy(x), torch.from_numpy(y)) == (
+        ts._block_extrema(x, y)), (x, y)
+half = torch.from_numpy(a).to(torch.bfloat16)
+assert ts.relative_difference(half, half.to(torch.float32)) == 0.0
+print(ts.relative_difference(torch.from_numpy(a), torch.from_numpy(b)))
+"""
+
+
+def test_comparisons_on_a_gpu_and_a_cpu_agree(torch_python):
+    """The PyTorch side compares in torch on a GPU and in numpy on a CPU: each block's extrema
+    are the same float64 numbers both ways, NaN and infinities included."""
+    completed = subprocess.run([torch_python, "-c", COMPARE_BOTH_WAYS, str(TORCH_SIDE.parent)],
+                               capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    assert 0 < float(completed.stdout) < 1e-3
+
+
 def test_manifest_describes_every_array(exported_fp32):
     manifest = json.loads((exported_fp32 / "manifest.json").read_text())
     assert manifest["format"] == "peakflat-xcheck/1" and manifest["seed"] == 1234

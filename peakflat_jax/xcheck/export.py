@@ -195,8 +195,8 @@ def _tokens(trainer) -> tuple[int, int]:
 
 
 def _normal(rng, shape, std=1.0) -> np.ndarray:
-    """fp32 normals, drawn as fp32 (at h200-1's widths the MoE case draws 400M of them: drawing
-    float64 and casting took four times as long)."""
+    """fp32 normals, drawn as fp32: at h200-1's widths the MoE case draws hundreds of millions,
+    and drawing float64 to cast was several times slower (docs/xcheck.md)."""
     value = rng.standard_normal(shape, dtype=np.float32)
     value *= np.float32(std)
     return value
@@ -207,16 +207,15 @@ def _put(mesh, value, spec: P, dtype=None) -> jax.Array:
     return jax.device_put(value, NamedSharding(mesh, spec))
 
 
-def _value_and_vjp(fn, num_differentiated: int):
+def _value_and_vjp(fn):
     """``f(differentiated, others, cotangent) -> (fn(*differentiated, *others), the gradients
     of sum(cotangent * output) for the differentiated arguments)``, one program to jit.
 
     Every array a compiled program reads is its argument: a ``jax.jit`` of the function
     ``jax.vjp`` returns would close over the forward's residuals (the MoE case's expert
     weights, over a GB at h200-1's widths), and XLA would compile them into the backward as
-    constants (a minute of compiling on a CPU, for the MoE case alone)."""
+    constants, which made the MoE case's compile several times longer (docs/xcheck.md)."""
     def value_and_vjp(differentiated, others, cotangent):
-        assert len(differentiated) == num_differentiated
         value, vjp = jax.vjp(lambda *args: fn(*args, *others), *differentiated)
         return value, vjp(cotangent)
 
@@ -262,7 +261,7 @@ def cross_entropy_case(trainer, rng, mode: str, reduction: str = "none") -> Case
                             shard_width=shard))
     if reduction == "none":
         cotangent = _put(mesh, _normal(rng, (tokens,)), P(mop.ALL))
-        loss, (d_hidden, d_kernel) = jax.jit(_value_and_vjp(loss_fn, 2))(
+        loss, (d_hidden, d_kernel) = jax.jit(_value_and_vjp(loss_fn))(
             (hidden, kernel), (targets,), cotangent)
     else:
         cotangent = None
@@ -312,8 +311,8 @@ def moe_case(trainer, rng) -> Case:
     def moe(x, gates, w_gate, w_up, w_down, expert_ids):
         return pipelined_moe_global(x, expert_ids, gates, w_gate, w_up, w_down, **options)
 
-    y, grads = jax.jit(_value_and_vjp(moe, 5))((x, gates, w_gate, w_up, w_down), (expert_ids,),
-                                               cotangent)
+    y, grads = jax.jit(_value_and_vjp(moe))((x, gates, w_gate, w_up, w_down), (expert_ids,),
+                                            cotangent)
     loads = jnp.asarray(np.bincount(ids.reshape(-1), minlength=experts))
     plan = np.asarray(llep_assignment(loads, width, LLEPConfig(
         threshold=llep.threshold, capacity=llep.capacity, min_tokens=min_tokens)))

@@ -151,8 +151,8 @@ def experts_loop(x, expert_ids, gates, w_gate, w_up, w_down):
 
     The stacked weights are unbound into one view per expert first, as Mixtral's experts are
     modules of their own: indexing ``w[expert]`` in the loop would make autograd add a zero
-    [E, ...] gradient per expert (E full-size passes per weight, minutes on a CPU at 64
-    experts), where unbind's backward stacks the experts' gradients once."""
+    [E, ...] gradient per expert (E full-size passes per weight: docs/xcheck.md), where
+    unbind's backward stacks the experts' gradients once."""
     y = torch.zeros_like(x)
     experts = zip(w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0))
     for expert, (gate, up, down) in enumerate(experts):
@@ -484,29 +484,50 @@ CASES: dict[str, Callable[[dict, dict], dict]] = {
 # Comparing.
 
 
-def relative_difference(actual: np.ndarray, expected: np.ndarray) -> float:
+def relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """``max|a - b| / max|b|`` in float64 (module doc); for integers the share of differing
-    routed slots."""
+    routed slots. Both tensors on one device: on a GPU the comparisons run there, on a CPU in
+    numpy (faster than torch at this on the 2-core machines: docs/xcheck.md)."""
     if actual.shape != expected.shape:
         return math.inf
-    if not np.issubdtype(expected.dtype, np.floating):
-        total = 2 * np.abs(expected).sum()
-        return float(np.abs(actual.astype(np.int64) - expected.astype(np.int64)).sum()
-                     / max(total, 1))
-    # Block by block: float64 copies of whole tensors (134M elements per expert weight
-    # gradient at h200-1's widths) made the comparisons slower than the computations.
-    actual, expected = actual.reshape(-1), expected.reshape(-1)
+    if not expected.is_floating_point():
+        actual, expected = actual.to(torch.int64), expected.to(torch.int64)
+        total = 2 * expected.abs().sum().item()
+        return float((actual - expected).abs().sum().item() / max(total, 1))
+    # Block by block: float64 copies of whole tensors (an expert weight gradient at h200-1's
+    # widths is 64 x 2048 x 1024) made the comparisons slower than the computations.
+    actual, expected = actual.detach().reshape(-1), expected.detach().reshape(-1)
+    if actual.device.type == "cpu":
+        actual, expected = _as_numpy(actual), _as_numpy(expected)
     error = scale = 0.0
-    for start in range(0, actual.size, COMPARE_BLOCK):
-        a = actual[start:start + COMPARE_BLOCK].astype(np.float64)
-        b = expected[start:start + COMPARE_BLOCK].astype(np.float64)
-        if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+    for start in range(0, actual.shape[0], COMPARE_BLOCK):
+        extrema = _block_extrema(actual[start:start + COMPARE_BLOCK],
+                                 expected[start:start + COMPARE_BLOCK])
+        if extrema is None:
             return math.inf
-        error = max(error, float(np.max(np.abs(a - b))))
-        scale = max(scale, float(np.max(np.abs(b))))
+        error, scale = max(error, extrema[0]), max(scale, extrema[1])
     if scale == 0.0:
         return 0.0 if error == 0.0 else math.inf
     return error / scale
+
+
+def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as numpy (bf16, which numpy lacks, as its exact fp32 values)."""
+    return (tensor.to(torch.float32) if tensor.dtype == torch.bfloat16 else tensor).numpy()
+
+
+def _block_extrema(a, b) -> tuple[float, float] | None:
+    """``(max|a - b|, max|b|)`` of one block in float64 (torch tensors or numpy arrays); None
+    where either holds a NaN or an infinity."""
+    if isinstance(a, torch.Tensor):
+        a, b = a.to(torch.float64), b.to(torch.float64)
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            return None
+        return (a - b).abs().max().item(), b.abs().max().item()
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        return None
+    return float(np.max(np.abs(a - b))), float(np.max(np.abs(b)))
 
 
 def tolerance_kind(case: dict, entry: dict, run_dtype: str) -> str:
@@ -521,17 +542,13 @@ def tolerance_kind(case: dict, entry: dict, run_dtype: str) -> str:
     return case["tolerance"]
 
 
-def to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    tensor = tensor.detach().cpu()
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.to(torch.float32)  # exact
-    return tensor.numpy()
-
-
-def exported_numpy(value: np.ndarray, entry: dict) -> np.ndarray:
+def exported_tensor(value: np.ndarray, entry: dict, device: str) -> torch.Tensor:
+    """An exported output as a tensor on ``device`` (bf16 from its bits), for comparing."""
     if entry["dtype"] == "bfloat16":
-        return to_numpy(torch.from_numpy(value.view(np.int16).copy()).view(torch.bfloat16))
-    return value
+        tensor = torch.from_numpy(value.view(np.int16).copy()).view(torch.bfloat16)
+    else:
+        tensor = torch.as_tensor(value)  # keeps a scalar's shape (ascontiguousarray would not)
+    return tensor.to(device)
 
 
 def check(directory, *, device: str = "cpu", reference: str = "float64",
@@ -570,14 +587,14 @@ def check(directory, *, device: str = "cpu", reference: str = "float64",
                 if entry["name"] not in result or result[entry["name"]] is None:
                     raise SystemExit(f"{name}/{entry['name']}: the torch side computes no such "
                                      f"tensor (a bug in torch_side.py)")
-                jax_value = exported_numpy(npz[entry["name"]], entry)
-                torch_value = to_numpy(result[entry["name"]])
+                jax_value = exported_tensor(npz[entry["name"]], entry, device)
+                torch_value = result[entry["name"]].detach().to(device)
                 kind = tolerance_kind(case, entry, run_dtype)
                 row = {"case": name, "tensor": entry["name"], "role": entry["role"],
                        "kind": kind, "difference": relative_difference(jax_value, torch_value),
                        "tolerance": tolerances[kind]}
                 if exact is not None:
-                    exact_value = to_numpy(exact[entry["name"]])
+                    exact_value = exact[entry["name"]].detach().to(device)
                     row["jax_vs_float64"] = relative_difference(jax_value, exact_value)
                     row["torch_vs_float64"] = relative_difference(torch_value, exact_value)
                 row["passed"] = bool(row["difference"] <= row["tolerance"])

@@ -1,6 +1,6 @@
 """Where the time of ``peakflat xcheck run`` goes: per case, the JAX export's seconds (and how
 many of them XLA spent compiling, and tracing and lowering), then the PyTorch side's per-case
-line (torch, float64 reference, comparisons), on this machine.
+line (torch, float64 reference, comparisons), each case in its own process, on this machine.
 
     PYTHONPATH=. python scripts/probes/probe_xcheck_time.py --config h200-1 \\
         --grouped-matmul tiled --torch-python .venv-torch/bin/python \\
@@ -14,7 +14,8 @@ needs 36 GiB at h200-1's widths, more than these machines have); ``auto`` leaves
 default (``--devices``), the layout of a one-GPU run. Writes
 ``xcheck_time_<config>_<platform>_<date>.json`` to ``--out-dir`` (default scripts/results):
 the command, the load average before and after (the lent CPU machines are shared), the
-export's lines and the PyTorch side's report. docs/xcheck.md cites the records.
+export's lines and, per case, the PyTorch side's seconds, exit status and failures.
+docs/xcheck.md cites the records.
 """
 
 from __future__ import annotations
@@ -89,31 +90,40 @@ def main() -> int:
                       dtype=args.dtype, seed=args.seed, log=log)
     export_seconds = time.perf_counter() - started
     print(f"export: {export_seconds:.1f} s in all", flush=True)
-    report = None
-    if args.torch_python:
-        report_path = directory / "torch_report.json"
+    cases = {}
+    for name in manifest["cases"] if args.torch_python else ():
+        # One process per case, so that a case killed for memory (the model's float64 reference
+        # at h200-1's widths needs more than 22 GB on a CPU) leaves the others' reports.
+        report_path = directory / f"torch_report_{name}.json"
+        report_path.unlink(missing_ok=True)
         started = time.perf_counter()
-        subprocess.run([args.torch_python, str(REPO / "peakflat_jax" / "xcheck" / "torch_side.py"),
-                        str(directory), "--json", str(report_path), "--reference",
-                        args.reference], check=False)
-        torch_wall = time.perf_counter() - started
-        report = json.loads(report_path.read_text())
-        print(f"torch side: {torch_wall:.1f} s in all", flush=True)
+        completed = subprocess.run(
+            [args.torch_python, str(REPO / "peakflat_jax" / "xcheck" / "torch_side.py"),
+             str(directory), "--case", name, "--json", str(report_path), "--reference",
+             args.reference], capture_output=True, text=True)
+        wall = time.perf_counter() - started
+        line = next((ln for ln in completed.stdout.splitlines() if ln.startswith("xcheck ")),
+                    f"xcheck {name}: no report (exit status {completed.returncode})")
+        print(f"{line}; process {wall:.1f} s", flush=True)
+        case = {"returncode": completed.returncode, "process_seconds": round(wall, 1),
+                "line": line}
+        if report_path.exists():
+            report = json.loads(report_path.read_text())
+            case["seconds"] = report["seconds"][name]
+            case["failed"] = [
+                f"{r['tensor']}: {r['difference']:.3e} > {r['tolerance']:.0e} (jax~f64 "
+                f"{r.get('jax_vs_float64')}, torch~f64 {r.get('torch_vs_float64')})"
+                for r in report["tensors"] if not r["passed"]]
+        cases[name] = case
     now = datetime.datetime.now(datetime.timezone.utc)
     record = {
         "benchmark": "xcheck_time", "command": shlex.join(sys.argv),
         "date": now.isoformat(timespec="seconds"), "device": manifest["device"],
         "commit": manifest["commit"], "jax": jax.__version__, "config": args.config,
         "overrides": args.overrides, "dtype": args.dtype, "grouped_matmul": args.grouped_matmul,
-        "load_average_before": load_before, "load_average_after": os.getloadavg(),
-        "export_seconds": round(export_seconds, 1), "export_lines": lines,
-        "torch_wall_seconds": None if report is None else round(torch_wall, 1),
-        "torch_seconds": None if report is None else report["seconds"],
-        "passed": None if report is None else report["passed"],
-        "failed": None if report is None else [
-            f"{r['case']}/{r['tensor']}: {r['difference']:.3e} > {r['tolerance']:.0e} "
-            f"(torch~f64 {r.get('torch_vs_float64')}, jax~f64 {r.get('jax_vs_float64')})"
-            for r in report["tensors"] if not r["passed"]],
+        "reference": args.reference, "load_average_before": load_before,
+        "load_average_after": os.getloadavg(), "export_seconds": round(export_seconds, 1),
+        "export_lines": lines, "torch_side": cases,
     }
     out_dir = pathlib.Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
