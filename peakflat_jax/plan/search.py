@@ -100,21 +100,27 @@ def largest_context(config: Config, num_devices: int, *, device_memory: int,
         lightest = _lightest(config, k, auto)
         return fits_in_memory(config, lightest, platform, device_memory, host_memory)
 
-    if not fits(step):
+    return _largest_multiple(fits, step, most=2**40 // step)
+
+
+def _largest_multiple(fits, unit: int, *, most: int) -> int | None:
+    """The largest multiple of ``unit`` that ``fits`` (monotone: a fit implies every smaller
+    one fits), by doubling then bisection; None when ``unit`` does not fit. The doubling stops
+    once it passes ``most`` multiples and answers the last that fit."""
+    if not fits(unit):
         return None
-    low = 1  # in units of `step`
-    high = 2
-    while fits(high * step):
+    low, high = 1, 2
+    while fits(high * unit):
         low, high = high, high * 2
-        if high * step > 2**40:
-            return low * step
+        if high > most:
+            return low * unit
     while high - low > 1:
         middle = (low + high) // 2
-        if fits(middle * step):
+        if fits(middle * unit):
             low = middle
         else:
             high = middle
-    return low * step
+    return low * unit
 
 
 def _lightest(config: Config, knobs: Knobs, auto: bool) -> Knobs:
@@ -209,17 +215,4 @@ def _largest_batch(config, num_devices, context, data, device_memory, host_memor
     if device_memory is None:
         batch = -(-config.data.batch_size // data) * data
         return batch if fits(batch) else None
-    if not fits(data):
-        return None
-    low, high = 1, 2
-    while fits(high * data):
-        low, high = high, high * 2
-        if high > 2**20:
-            return low * data
-    while high - low > 1:
-        middle = (low + high) // 2
-        if fits(middle * data):
-            low = middle
-        else:
-            high = middle
-    return low * data
+    return _largest_multiple(fits, data, most=2**20)
