@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--expert-ffn", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=8192, help="the BPE's vocabulary")
     parser.add_argument("--max-positions", type=int, default=131072)
+    parser.add_argument("--config-only", action="store_true",
+                        help="config.json and the tokenizer only (enough for `peakflat plan`)")
     args = parser.parse_args()
 
     import torch
@@ -74,6 +76,10 @@ def main() -> None:
         fields.update(intermediate_size=args.expert_ffn, num_local_experts=args.experts,
                       num_experts_per_tok=args.top_k)
     config = AutoConfig.for_model(args.family, **fields)
+    if args.config_only:
+        config.save_pretrained(out)
+        print(json.dumps(dict(dir=str(out), family=args.family, vocab=vocab, config_only=True)))
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     with torch.device(device):

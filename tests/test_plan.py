@@ -441,6 +441,13 @@ def test_check_plan_refuses_with_the_table_and_what_to_change():
         pl.check_plan(config, mop.make_mesh(config.mesh), device_memory=1 * MIB)
     message = str(refused.value)
     assert "kept_boundaries" in message and "to change" in message
+    # Operators left auto: refused the same way, with the largest context that does fit
+    # (searched with the operators the planner chose; it raised a PlanError before).
+    auto = small(*(f"operators.{name}=auto" for name in
+                   ("moe_dispatch", "loss", "offload", "optimizer_offload")))
+    with pytest.raises(pl.DoesNotFit) as refused:
+        pl.check_plan(auto, 8, device_memory=1 * MIB)
+    assert "largest context that fits" in str(refused.value)
     plan = pl.check_plan(config, 8, device_memory=64 * MIB)
     assert plan.feasible and plan.knobs.token_budget == 16
     # A CPU does not say its devices' memory: they live in the host's, each holds its share.

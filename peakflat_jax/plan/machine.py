@@ -76,7 +76,8 @@ def check_plan(config: Config, mesh_or_devices, device_memory: int | None = None
         plan = dataclasses.replace(plan, device_memory=cpu_device_memory(host_memory))
     if plan.fits_device is False or plan.fits_host is False:
         # The table's last line is the largest context that does fit (a closed-form search).
-        largest = largest_context(config, num_devices, device_memory=plan.device_memory,
+        # The plan's config: its auto operators chosen (the search needs them resolved).
+        largest = largest_context(plan.config, num_devices, device_memory=plan.device_memory,
                                   host_memory=host_memory, platform=platform, knobs=plan.knobs)
         plan = dataclasses.replace(plan, largest_context=largest)
         raise DoesNotFit(f"{config.name} does not fit: {plan.reasons()[0]}\n"
