@@ -1,8 +1,11 @@
 """The closed form against what was measured on an H200 (issue 25's rule: every measured peak at
 or under the plan, and the plan within 1.2x of it). The measurements are the records under
 scripts/results/ (XLA's GPU plans and the allocator's peaks of the trainer's programs, and the
-buffer XLA:GPU gave cuDNN's attention backward), taken with h200-1 at the segment cap it had then
-(``data.max_segments: 64``); nothing here runs on a GPU, and no number is restated from the code.
+buffer XLA:GPU gave cuDNN's attention backward): the first set taken with h200-1 at the segment
+cap it had then (``data.max_segments: 64``), the second at today's (4), across contexts and
+with each operator alone; nothing here runs on a GPU, and no number is restated from the code.
+Where the plan is more than 1.2x the measurement the case is an expected failure (strict), with
+the ratio: those are the open part of issue 25.
 """
 
 import json
@@ -18,6 +21,8 @@ from peakflat_jax.plan.terms import cudnn_backward_workspace, packed_attention_r
 
 RESULTS = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "results"
 TRAIN = RESULTS / "h200_1_train_scan_gpu_20261201-105253.json"
+TRAIN_AUTO = RESULTS / "h200_1_train_auto_gpu_20261201-140353.json"
+CHECKS = RESULTS / "h200_1_plan_check_gpu_20261201-141839.json"
 PLAN_CHECK = RESULTS / "plan_check_h200-1_on_gpu_20261201-1058.txt"
 BUFFERS = RESULTS / "xla_gpu_buffer_assignment_h200-1_20261201.tgz"
 # h200-1 as it was measured: its segment cap then, and its four operators forced on.
@@ -64,6 +69,71 @@ MEASURED = {
 @pytest.mark.parametrize("overrides, program, measured", MEASURED.values(), ids=MEASURED.keys())
 def test_the_plan_bounds_what_the_gpu_measured(overrides, program, measured):
     config = load_config("h200-1", [*AT_MEASUREMENT, *overrides])
+    bound = make_plan(config, 1, platform="gpu", baseline=False,
+                      search_context=False).programs[program]
+    assert measured() <= bound <= 1.2 * measured()
+
+
+def _run_peak(record: pathlib.Path, run: str) -> int:
+    return json.loads(record.read_text())["runs"][run]["peak_device_bytes"]
+
+
+def _checked(case: str, program: str) -> int:
+    """XLA's plan of ``program`` in a ``plan --check`` of CHECKS (GiB with 3 decimals)."""
+    gib = json.loads(CHECKS.read_text())["plan_checks"][case]["programs"][program]
+    return int(gib["xla_total_gib"] * 2**30)
+
+
+ON_UNROLLED = ["operators.moe_dispatch=pipelined", "operators.loss=ring", "operators.offload=all",
+               "operators.optimizer_offload=true", "operators.layer_loop=unrolled"]
+
+
+def _over(ratio: str):
+    return pytest.mark.xfail(strict=True, reason=f"the plan is {ratio} the measured peak")
+
+
+SEGMENT_CAP_4 = {
+    # (overrides of h200-1 as it is, the plan's program, the measured bytes)
+    "all off, 16K, XLA's plan": (ALL_OFF + ["data.seq_len=16384"], "gradient",
+                                 lambda: _checked("all_off_16384", "train_step")),
+    "all off, 64K, allocator peak": (ALL_OFF, "gradient",
+                                     lambda: _run_peak(TRAIN_AUTO, "auto_cold")),
+    "all off, 128K, XLA's plan": pytest.param(
+        ALL_OFF + ["data.seq_len=131072"], "gradient",
+        lambda: _checked("all_off_131072", "train_step"), marks=_over("1.26x")),
+    "pipelined alone, 64K, allocator peak": (
+        ALL_OFF + ["operators.moe_dispatch=pipelined"], "gradient",
+        lambda: _run_peak(TRAIN_AUTO, "alone_pipelined")),
+    "ring alone, 64K, allocator peak": pytest.param(
+        ALL_OFF + ["operators.loss=ring"], "gradient",
+        lambda: _run_peak(TRAIN_AUTO, "alone_ring"), marks=_over("1.202x")),
+    "SCO alone, 64K, allocator peak": (
+        ALL_OFF + ["operators.offload=all", "operators.layer_loop=scan"], "gradient",
+        lambda: _run_peak(TRAIN_AUTO, "alone_sco")),
+    "all on, 64K, allocator peak": (ON_UNROLLED, "overlapped",
+                                    lambda: _run_peak(TRAIN_AUTO, "on_unrolled")),
+    "all on, 64K, 16 slots, allocator peak": (ON_UNROLLED + ["optimizer.slots=16"], "overlapped",
+                                              lambda: _run_peak(CHECKS, "on_slots16")),
+    "all on, 64K, 60 slots, allocator peak": pytest.param(
+        ON_UNROLLED + ["optimizer.slots=60"], "overlapped",
+        lambda: _run_peak(CHECKS, "on_slots60"), marks=_over("1.71x (XLA staged no more "
+                                                              "buckets than at 16 slots)")),
+    "all on, 16K, optimizer step, XLA's plan": (
+        ON_UNROLLED + ["data.seq_len=16384"], "optimizer_step",
+        lambda: _checked("on_16384", "optimizer_step")),
+    "all on, 16K, XLA's plan": pytest.param(
+        ON_UNROLLED + ["data.seq_len=16384"], "overlapped",
+        lambda: _checked("on_16384", "overlapped_step"), marks=_over("1.33x")),
+    "all on, 256K, XLA's plan": pytest.param(
+        ON_UNROLLED + ["data.seq_len=262144"], "overlapped",
+        lambda: _checked("on_262144", "overlapped_step"), marks=_over("1.44x")),
+}
+
+
+@pytest.mark.parametrize("overrides, program, measured", SEGMENT_CAP_4.values(),
+                         ids=SEGMENT_CAP_4.keys())
+def test_the_plan_bounds_what_the_gpu_measured_at_four_segments(overrides, program, measured):
+    config = load_config("h200-1", overrides)
     bound = make_plan(config, 1, platform="gpu", baseline=False,
                       search_context=False).programs[program]
     assert measured() <= bound <= 1.2 * measured()

@@ -634,14 +634,17 @@ _run_chunks.defvjp(_run_chunks_fwd, _run_chunks_bwd)
 # The memory bound, term by term (per device; the planner composes these).
 
 MEMORY_FORMULAS: dict[str, str] = {
-    "dispatch": "8 * M * H * b + M * H * 4: backward's rows of width H, per chunk: the "
+    "dispatch": "8 * M * H * b + M * H * a: backward's rows of width H, per chunk: the "
                 "received rows and their sorted copy, the next chunk's send buckets and "
-                "arrival, the rows' cotangents on their way home, and the fp32 cotangent of the "
-                "down projection; one chunk (K = 1) has no next chunk: 6 * M * H * b + M * H * 4",
-    "expert_ffn": "5 * M * F * 4 + M * F * b: backward's recomputed gate and up projections, "
-                  "the cotangent of their product and theirs (fp32), the product in x's dtype",
+                "arrival, the rows' cotangents on their way home, and the cotangent of the down "
+                "projection (fp32, a = 4; in x's dtype on the Mosaic path, a = b); one chunk "
+                "(K = 1) has no next chunk: 6 * M * H * b + M * H * a",
+    "expert_ffn": "5 * M * F * a + M * F * b: backward's recomputed gate and up projections, "
+                  "the cotangent of their product and theirs (fp32, a as dispatch's), the "
+                  "product in x's dtype",
     "weights": "2 * 3 * G * H * F * b + 3 * G * H * F * 4: local and foreign experts side by "
-               "side and their gradients, and backward's fp32 sum of the chunks' gradients",
+               "side and their gradients, and backward's fp32 sum of the chunks' gradients "
+               "(none on the Mosaic path at K = 1)",
     "tokens": "3 * N * H * b: the chunked copies of x and y and the output's gather",
     "routing": "4 * N * k * (12 + D + G_f): int32 slot metadata (destination, group, chunked "
                "copies, sort orders) and the [S, D] and [S, G_f] lookups of the plan",
@@ -684,10 +687,16 @@ def pipelined_moe_memory_terms(*, num_tokens: int, hidden: int, ffn: int, top_k:
     rows = num_devices * top_k * chunk_tokens  # M
     foreign = llep.max_foreign_experts
     groups = num_experts // num_devices + foreign  # G
+    # a: the bytes of the backward's fp32 row values. On the Mosaic path (a GPU) they stay
+    # inside the kernels and XLA:GPU's fusions: its buffer assignment of h200-1's step holds no
+    # fp32 [M, H] or [M, F] buffer, and at K = 1 no fp32 weight gradient (the chunks' fp32 sum
+    # is a scan carry only when there are chunks to sum).
+    a = b if grouped_matmul == "mosaic" else 4
+    weight_sum = 3 * groups * hidden * ffn * 4 if num_chunks > 1 or a == 4 else 0
     terms = {
-        "dispatch": (8 if num_chunks > 1 else 6) * rows * hidden * b + rows * hidden * 4,
-        "expert_ffn": 5 * rows * ffn * 4 + rows * ffn * b,
-        "weights": 2 * 3 * groups * hidden * ffn * b + 3 * groups * hidden * ffn * 4,
+        "dispatch": (8 if num_chunks > 1 else 6) * rows * hidden * b + rows * hidden * a,
+        "expert_ffn": 5 * rows * ffn * a + rows * ffn * b,
+        "weights": 2 * 3 * groups * hidden * ffn * b + weight_sum,
         "tokens": 3 * num_tokens * hidden * b,
         "routing": 4 * num_tokens * top_k * (12 + num_devices + foreign),
         "mosaic_head_rows": 0,

@@ -52,6 +52,8 @@ MEMORY_FORMULAS: dict[str, str] = {
     "embedding_gradient": "V' * H * b: the table's dense gradient before the reduce-scatter, "
                           "which XLA may allocate before the layers' backward (XLA:CPU did)",
     "optimizer_update": "2 * P * 4: the fused AdamW's fp32 gradients (clipped) and updates",
+    "optimizer_update_gpu": "0 on a GPU: XLA:GPU fuses the update into elementwise loops over "
+                            "the donated state (measured: no fp32 copy of the gradients)",
     "overlap.moe_layer_weights": "2 * P_m * b: the MoE layers' updated weights taken per layer and "
                                  "their stacked copy (the program's output) beside the stacked "
                                  "params; P_m the MoE stack's share of P",
@@ -337,6 +339,11 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
                 "the optimizer step's staging terms (above), now inside the step's program; 0 "
                 "on CPU, where XLA updates in place")
             add("overlap.moe_layer_weights", 2 * num_moe * weights.layer_shard["moe"], "overlap")
+    elif platform == "gpu":
+        # XLA:GPU fuses AdamW into elementwise loops over the donated state: h200-1's whole
+        # train step at 16K tokens held 8.85 GiB of temporaries in all, where one fp32 copy of
+        # its gradients is 11 GiB (scripts/results/h200_1_plan_check_gpu_20261201-141839.json).
+        add("optimizer_update", 0, "update", MEMORY_FORMULAS["optimizer_update_gpu"])
     else:
         add("optimizer_update", 2 * weights.param_count * 4, "update")
     add("host.offloaded_boundaries", sco_module.sco_host_bytes(knobs.num_offloaded, boundary),
