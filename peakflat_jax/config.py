@@ -296,6 +296,13 @@ class OperatorsConfig:
     under it; with ``scan`` the stacked MoE weights wait for all their updates, and only the
     other weights' traffic can run under the layers. False: the optimizer's own program after
     the gradients."""
+    optimizer_writeback: Literal["forward", "backward"] = "forward"
+    """With the overlapped optimizer, when each bucket's new master and state go back to the
+    host: ``forward``, as the buckets are updated (the slot chain: at most ``optimizer.slots``
+    buckets on the device, and both directions' traffic before the layers that wait for it);
+    ``backward``, after the forward's loss, under the backward (the forward's link carries only
+    the copies in, 12 of the 24 bytes a parameter; every updated bucket stays on the device
+    until then: (4 + S) * P bytes, S = 8 for AdamW). The same numbers either way."""
     attention: Literal["auto", "cudnn", "xla"] = "auto"
     """Attention kernel: cuDNN flash attention on GPU, XLA elsewhere (``auto``)."""
     layer_loop: Literal["auto", "scan", "unrolled"] = "auto"

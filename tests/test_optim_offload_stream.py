@@ -238,16 +238,20 @@ def test_grouped_step_matches_the_ungrouped_step(rng, name, max_grad_norm):
     assert_tree_close(results[1], results[0], rtol=1e-6)
 
 
-def grouped_step(opt, grads, state):
-    """What a trainer does inside its own program: every group's update, then the new state."""
+def grouped_step(opt, grads, state, write_back=True):
+    """What a trainer does inside its own program: every group's update, then the new state;
+    without ``write_back`` the groups stay on the device until all are updated, then go back
+    after their new leaves (as the trainer writes them back after the forward's loss)."""
     layout = state.layout
     scalars = opt.step_scalars(grads, state)
     leaves, groups = [], []
     for g in range(len(layout.groups)):
         group_leaves, group = opt.update_group(layout.group_leaves(grads, g), state.group(g),
-                                               scalars)
+                                               scalars, write_back=write_back)
         leaves.append(group_leaves)
         groups.append(group)
+    if not write_back:
+        groups = [opt.write_back(group, after=leaves) for group in groups]
     return layout.merge_groups(leaves), opt.new_state(state, groups, scalars)
 
 
@@ -260,16 +264,23 @@ def test_updating_group_by_group_equals_the_whole_step_bit_for_bit(rng, mesh_axe
     for g in grads:
         whole_params, whole = opt.step(g, whole)
 
-    # One program for every group, as inside a trainer's step.
-    state = opt.init(params, stacked_layers=STACKED)
-    shardings = opt.state_shardings(state)
-    in_one = jax.jit(lambda g, s: grouped_step(opt, g, s), out_shardings=(None, shardings))
-    for g in grads:
-        leaves, state = in_one(g, state)
-    assert_tree_close(jax.tree.unflatten(state.layout.treedef, leaves), whole_params, rtol=0)
-    assert_tree_close(opt.master_params(state), opt.master_params(whole), rtol=0)
-    assert_tree_close(state.streamed, whole.streamed, rtol=0)
-    assert_tree_close(state.shared, whole.shared, rtol=0)
+    # One program for every group, as inside a trainer's step; written back as each bucket is
+    # updated (the slot chain) or only once every group is (write_back=False).
+    for write_back in (True, False):
+        state = opt.init(params, stacked_layers=STACKED)
+        shardings = opt.state_shardings(state)
+        in_one = jax.jit(lambda g, s, w=write_back: grouped_step(opt, g, s, w),
+                         out_shardings=(None, shardings))
+        for g in grads:
+            leaves, state = in_one(g, state)
+        assert all(a.sharding.memory_kind == "pinned_host" for a in state.master)
+        assert_tree_close(jax.tree.unflatten(state.layout.treedef, leaves), whole_params, rtol=0)
+        assert_tree_close(opt.master_params(state), opt.master_params(whole), rtol=0)
+        assert_tree_close(state.streamed, whole.streamed, rtol=0)
+        assert_tree_close(state.shared, whole.shared, rtol=0)
+    with pytest.raises(ValueError, match="slot_chain: expected None"):
+        opt.update_group(state.layout.group_leaves(grads[0], 0), state.group(0),
+                         opt.step_scalars(grads[0], state), slot_chain=[], write_back=False)
 
     # A program per group, as a layer's update placed in its own program.
     state = opt.init(params, stacked_layers=STACKED)

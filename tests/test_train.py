@@ -421,3 +421,15 @@ def test_overlapped_optimizer_changes_no_bit(tmp_path):
         resumed.config.optimizer.bucket_params, resumed.config.optimizer.slots,
         np.float32)["staging"]
     assert overlap_plan.temp - grads_plan.temp <= staging + 2 * moe_bytes
+    # The buckets written back under the backward (operators.optimizer_writeback: backward):
+    # the same bits; what it adds beyond the gradient program is bounded by every updated
+    # bucket's master and state, (4 + 8) bytes a parameter, and the same MoE weights.
+    deferred = Trainer(small_config(*common, "operators.optimizer_writeback=backward"),
+                       run_dir=str(tmp_path / "deferred"))
+    assert deferred.run(progress=False)["losses"] == expected
+    chex.assert_trees_all_equal(
+        jax.device_get((plain.final_state.params, plain.final_state.opt_state)),
+        jax.device_get((deferred.final_state.params, deferred.final_state.opt_state)))
+    num_params = sum(leaf.addressable_shards[0].data.size for leaf in jax.tree.leaves(params))
+    deferred_plan = memory.compiled_memory(deferred._overlapped_step)
+    assert deferred_plan.temp - grads_plan.temp <= 12 * num_params + staging + 2 * moe_bytes

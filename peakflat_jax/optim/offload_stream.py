@@ -63,7 +63,10 @@ one group at a time inside its own jitted program::
 
 which gives the whole step's result bit for bit. The trainer's jit declares the state's host
 outputs with ``opt.state_shardings(state)``; the slot chain runs within each group (the trainer
-orders the groups).
+orders the groups). ``update_group(..., write_back=False)`` leaves a group's new state on the
+device, outside the slot chain, for ``opt.write_back(group, after=x)`` to copy back once ``x``
+exists: the trainer passes the forward's loss, so that half of the link's bytes (the copies
+back) run under the backward, for (4 + S) * P bytes of device memory until then.
 
 On CPU the memory kinds exist but the copies lower to nothing: tests check the numbers, XLA's
 plan and the slot chain, not the transfers.
@@ -308,13 +311,21 @@ class OffloadStream:
         return StepScalars(state.shared, self._global_norm(jax.tree.leaves(grads)), apply)
 
     def update_group(self, grads, group_state: GroupState, scalars: StepScalars,
-                     slot_chain: list | None = None):
+                     slot_chain: list | None = None, write_back: bool = True):
         """Updates one group's buckets (traceable: inside the trainer's jit).
 
         ``grads``: the group's gradient leaves (``layout.group_leaves(grads, g)``: whole leaves,
         or layer slices for a layer group), placed like the params' (layer slices: without the
         layer axis). ``group_state``: ``state.group(g)``. Returns (the group's new working
-        leaves, in the params' dtypes, and its new GroupState)."""
+        leaves, in the params' dtypes, and its new GroupState).
+
+        ``write_back=False``: the new GroupState is left on the device, unbounded by the slot
+        chain (``slot_chain`` must be None): the caller writes it back with ``write_back``,
+        later in its program (the trainer: under the backward). Every updated bucket's master
+        and state then stay on the device until then, (4 + S) * P bytes."""
+        if not write_back and slot_chain is not None:
+            raise ValueError("slot_chain: expected None with write_back=False (the slots bound "
+                             "the buckets written back)")
         layout = group_state.layout
         group = layout.groups[group_state.index]
         grads = list(grads)
@@ -325,10 +336,22 @@ class OffloadStream:
             raise ValueError(f"grads: expected group {group_state.index}'s leaf shapes "
                              f"{expected}, got {shapes}")
         leaves, new_group, chain = self._update_group(grads, group_state, scalars,
-                                                      slot_chain or [])
+                                                      slot_chain or [], write_back)
         if slot_chain is not None:
             slot_chain[:] = chain
         return leaves, new_group
+
+    def write_back(self, group_state: GroupState, after=None) -> GroupState:
+        """A GroupState that ``update_group(..., write_back=False)`` left on the device, copied
+        to its host buckets (traceable). ``after``: any arrays the copies must wait for (an
+        optimization barrier): the trainer passes the forward's loss, so that the copies run
+        under the backward."""
+        arrays = (group_state.master, group_state.streamed)
+        if after is not None:
+            arrays, _ = lax.optimization_barrier((arrays, after))
+        master, streamed = jax.device_put(arrays, jax.memory.Space.Host)
+        return GroupState(tuple(master), tuple(tuple(s) for s in streamed),
+                          layout=group_state.layout, index=group_state.index)
 
     def new_state(self, state: OffloadStreamState, groups, scalars: StepScalars):
         """The state after a step run group by group: every group's new GroupState (in group
@@ -357,9 +380,11 @@ class OffloadStream:
             groups.append(group)
         return layout.merge_groups(leaves_per_group), self.new_state(state, groups, scalars)
 
-    def _update_group(self, grad_leaves, group_state: GroupState, scalars: StepScalars, chain):
+    def _update_group(self, grad_leaves, group_state: GroupState, scalars: StepScalars, chain,
+                      write_back: bool = True):
         """The group's buckets, each waiting for the bucket ``slots`` before it in ``chain``
-        (earlier buckets' written state and working pieces, extended and returned)."""
+        (earlier buckets' written state and working pieces, extended and returned); without
+        ``write_back`` no chain and no copy back (``update_group``)."""
         layout = group_state.layout
         group: Group = layout.groups[group_state.index]
         placement, flat, replicated = layout.placement, layout.placement.flat_spec, P()
@@ -388,7 +413,7 @@ class OffloadStream:
         chain, pieces_per_bucket, masters, streamed_per_bucket = list(chain), [], [], []
         for b in range(len(group.bucket_sizes)):
             host_in = (group_state.master[b], group_state.streamed[b])
-            if len(chain) >= self.slots:  # wait for the bucket `slots` back: at most `slots`
+            if write_back and len(chain) >= self.slots:  # wait for the bucket `slots` back
                 host_in, _ = lax.optimization_barrier((host_in, chain[-self.slots]))
             master, streamed = jax.device_put(host_in, jax.memory.Space.Device)
             local = placement.local(
@@ -398,7 +423,8 @@ class OffloadStream:
                 out_specs=(flat, (flat,) * num_streamed, (flat,) * len(group.buckets[b])))
             master, streamed, pieces = local(list(grad_leaves), master, streamed, scalars.shared,
                                              *extras)
-            written = jax.device_put((master, streamed), jax.memory.Space.Host)
+            written = (jax.device_put((master, streamed), jax.memory.Space.Host) if write_back
+                       else (master, streamed))
             chain.append((written, pieces))
             masters.append(written[0])
             streamed_per_bucket.append(written[1])

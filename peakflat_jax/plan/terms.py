@@ -331,13 +331,21 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
         add("host.optimizer_state",
             offload_module.offload_stream_adamw_host_bytes(weights.param_count), "host",
             "12 * P: fp32 master, mu and nu (offload_stream_adamw_host_bytes)")
-        if knobs.optimizer_overlap:
+        if knobs.optimizer_overlap and config.operators.optimizer_writeback == "backward":
+            add("overlap.deferred_writeback",
+                offload_module.offload_stream_adamw_host_bytes(weights.param_count)
+                + step["staging_gpu_excess"], "overlap",
+                "12 * P + min(beta, P) * 8: every bucket's new fp32 master, mu and nu, held on "
+                "the device from its update until the forward's loss (written back under the "
+                "backward), and one bucket's fp32 gradient")
+        elif knobs.optimizer_overlap:
             # XLA:CPU updates the donated host buffers in place: nothing is staged there
             # (tests/test_optim_memory.py measured it).
             staged = step["staging"] + step["staging_gpu_excess"] if platform == "gpu" else 0
             add("overlap.staging", staged, "overlap",
                 "the optimizer step's staging terms (above), now inside the step's program; 0 "
                 "on CPU, where XLA updates in place")
+        if knobs.optimizer_overlap:
             add("overlap.moe_layer_weights", 2 * num_moe * weights.layer_shard["moe"], "overlap")
     elif platform == "gpu":
         # XLA:GPU fuses AdamW into elementwise loops over the donated state: h200-1's whole

@@ -374,7 +374,9 @@ class Trainer:
         With the scanned layer stack the MoE layers' new weights are stacked for it (they wait
         for all their groups); with the unrolled one they reach the model per layer
         (``PerLayer``), so that layer l's forward waits for layer l's update only and the later
-        layers' host traffic runs under it."""
+        layers' host traffic runs under it. With ``operators.optimizer_writeback: backward``
+        the buckets are written back only once the loss exists, under the backward (no slot
+        chain: every updated bucket waits on the device)."""
         opt = self.optimizer
         layout = opt_state.layout
         scalars = opt.step_scalars(pending, opt_state, apply)
@@ -383,18 +385,26 @@ class Trainer:
         new_leaves = list(leaves)
         num_moe_layers = self.config.model.num_layers - self.config.model.num_dense_layers
         layer_leaves = [{} for _ in range(num_moe_layers)]
-        groups, slot_chain = [], []
+        # Written back as updated (the slot chain), or after the forward's loss.
+        deferred = self.config.operators.optimizer_writeback == "backward"
+        groups, slot_chain = [], None if deferred else []
         for index, group in enumerate(layout.groups):
             updated, group_state = opt.update_group(layout.group_leaves(pending, index),
                                                     opt_state.group(index), scalars,
-                                                    slot_chain=slot_chain)
+                                                    slot_chain=slot_chain,
+                                                    write_back=not deferred)
             groups.append(group_state)
             for i, leaf in zip(group.leaves, updated):
                 if group.layer is None:
                     new_leaves[i] = leaf
                 else:
                     layer_leaves[group.layer][i] = leaf
-        opt_state = opt.new_state(opt_state, groups, scalars)
+
+        def new_state(value):
+            """The state, its deferred buckets copied back once the loss exists."""
+            written = [opt.write_back(g, after=value) for g in groups] if deferred else groups
+            return opt.new_state(opt_state, written, scalars)
+
         if self.config.operators.layer_loop == "scan":
             for i in moe:
                 new_leaves[i] = jnp.stack([layer[i] for layer in layer_leaves])
@@ -402,7 +412,7 @@ class Trainer:
             (value, counts), grads = jax.value_and_grad(self._loss, has_aux=True)(
                 new_params, extras, batch)
             metrics = dict(loss=value, grad_norm=optax_global_norm(grads), counts=counts)
-            return (new_params, self._balanced_extras(extras, counts), opt_state, grads,
+            return (new_params, self._balanced_extras(extras, counts), new_state(value), grads,
                     metrics)
         moe_def = jax.tree.structure(params["moe_layers"])
         per_layer = [jax.tree.unflatten(moe_def, [layer[i] for i in moe]) for layer in
@@ -434,7 +444,7 @@ class Trainer:
         grads = jax.tree.unflatten(treedef, grads)
         metrics = dict(loss=value, grad_norm=optax_global_norm(grads), counts=counts)
         return (jax.tree.unflatten(treedef, new_params), self._balanced_extras(extras, counts),
-                opt_state, grads, metrics)
+                new_state(value), grads, metrics)
 
     # -- the loop -----------------------------------------------------------------------------
 
