@@ -1,61 +1,70 @@
 #!/usr/bin/env bash
-# The next session's GPU runs, as the stages of one detached driver on nvidia-h200 (~25 min),
+# The next session's GPU runs, as the stages of one detached driver on nvidia-h200 (~22 min),
 # most decisive first, each with its own limit; logs and records under $LOGS as they go.
 #
-#   cp ../shared/gpu/driver.sh .gpu/ && cp scripts/gpu_session.sh .gpu/stages.sh  (and .whl/)
+#   cp ../shared/gpu/driver.sh .gpu/ && cp scripts/gpu_session.sh .gpu/stages.sh  (wheels: .whl/)
 #   call 1 (carry [".gpu", ".whl"]): bash .gpu/driver.sh start .gpu/stages.sh 555
-#   calls 2.. (no carry, within 30 s): bash /tmp/work/.gpu/driver.sh wait 540
+#   calls 2.. (no carry, within 30 s): poll for "all done" in /tmp/gpu-logs/driver.log, then
+#     bash /tmp/work/.gpu/driver.sh collect
 #
-# What each stage answers (issues 24, 25, 26, 30):
-#   auto        `peakflat train h200-1` as a user runs it (operators auto: the standard stack at
-#               64K), cold cache, then from the cache: compile, start-up timeline (first step
-#               within 30 s of the start?), step, peak against the plan (data.max_segments 4).
-#   on / unrolled  all four forced on, scanned and unrolled (auto: unrolled): the step (<= 1.79 s?), the peak
-#               against the plan at the cap of 4 segments (the plan: 41.8 GiB).
-#   xcheck      h200-1 at 2 layers, 2,048 tokens, against PyTorch (per-case lines).
-#   devopt-dump the operators on with the optimizer on the device, XLA's buffer assignment
-#               dumped: the 1.2 GiB the plan misses (tests/test_plan_gpu_measured.py's xfail).
-#   plan        `peakflat plan h200-1 --check`, auto and forced on.
+# What each stage answers:
+#   base        the standard stack (operators auto at 64K), the same-run baseline of the others
+#   on_fwd / on_bwd   all four forced on, unrolled, the buckets written back as updated (slots:
+#               2.86 s at 42c4f77) or under the backward (operators.optimizer_writeback:
+#               backward): issue 26's exposure and its <= 1.25x target
+#   opt_alone   the streamed optimizer alone (the rest auto), written back under the backward
+#   finetune    issue 29: a random 3.3B Qwen3-MoE checkpoint (scripts/make_hf_checkpoint.py),
+#               20 steps at 64K with operators auto
+#   host_cap    issue 25's host: all four on with XLA's pinned-host pool capped at 40 GiB
+#               (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB): resident memory and the state phase
+#   dump_on16k  the overlapped step's GPU buffer assignment at 16K (the plan is 1.33x there)
+#   off_256k / off_384k  the standard stack compiled (not run) past the plan's 319K: where XLA's
+#               plan crosses the device (the plan's largest context against the real one)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 LOGS="${LOGS:-/tmp/gpu-logs}"; mkdir -p "$LOGS"
-run() {  # run NAME LIMIT CMD...: each line stamped with seconds since the stage began
+run() {  # run NAME LIMIT CMD...: each line stamped with seconds since the stage began (a bash
+  # read loop: mawk buffers its whole input)
   local name=$1 limit=$2; shift 2
   echo "=== $name start $(date -Is)"
   local s; s=$(date +%s%N)
   timeout "$limit" "$@" 2>&1 | while IFS= read -r line; do
     printf '%7.1f %s\n' "$(( ($(date +%s%N) - s) / 100000000 ))e-1" "$line"; done > "$LOGS/$name.log"
   echo "=== $name rc=${PIPESTATUS[0]} wall=$(( ($(date +%s%N) - s) / 1000000000 )) s"
-  tail -n 8 "$LOGS/$name.log"
+  tail -n 6 "$LOGS/$name.log"
 }
-keep() { cp "$1/summary.json" "$LOGS/$2_summary.json" 2>/dev/null; }
-ON=(operators.moe_dispatch=pipelined operators.loss=ring operators.offload=all
-    operators.optimizer_offload=true)
+keep() { cp "$1/summary.json" "$LOGS/$2_summary.json" 2>/dev/null
+         cp "$1/metrics.jsonl" "$LOGS/$2_metrics.jsonl" 2>/dev/null; }
 nc=(train.checkpoints=false --no-progress --overwrite)
+ON=(operators.moe_dispatch=pipelined operators.loss=ring operators.offload=all
+    operators.optimizer_offload=true operators.layer_loop=unrolled)
+train() { python3 -m peakflat_jax.cli train "$@"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 export PEAKFLAT_JAX_CACHE=/tmp/cache
-run auto_cold 300 python3 -m peakflat_jax.cli train h200-1 train.steps=8 "${nc[@]}" --run-dir /tmp/r-auto
-keep /tmp/r-auto auto_cold
-run auto_warm 200 python3 -m peakflat_jax.cli train h200-1 train.steps=8 "${nc[@]}" --run-dir /tmp/r-auto
-keep /tmp/r-auto auto_warm
-run on_scan 300 python3 -m peakflat_jax.cli train h200-1 train.steps=8 "${ON[@]}" operators.layer_loop=scan "${nc[@]}" --run-dir /tmp/r-on
-keep /tmp/r-on on_scan
-run xcheck 300 python3 -m peakflat_jax.cli xcheck run --record-dir "$LOGS" --config h200-1 \
-  model.num_layers=2 data.seq_len=2048
-run on_unrolled 420 python3 -m peakflat_jax.cli train h200-1 train.steps=8 "${ON[@]}" \
-  operators.layer_loop=unrolled "${nc[@]}" --run-dir /tmp/r-unrolled
-keep /tmp/r-unrolled on_unrolled
+run base 150 train h200-1 train.steps=6 "${nc[@]}" --run-dir /tmp/r-base; keep /tmp/r-base base
+run on_bwd 240 train h200-1 train.steps=7 "${ON[@]}" operators.optimizer_writeback=backward \
+  "${nc[@]}" --run-dir /tmp/r-bwd; keep /tmp/r-bwd on_bwd
+run on_fwd 240 train h200-1 train.steps=7 "${ON[@]}" "${nc[@]}" --run-dir /tmp/r-fwd
+keep /tmp/r-fwd on_fwd
+run opt_alone 240 train h200-1 train.steps=7 operators.optimizer_offload=true \
+  operators.optimizer_writeback=backward "${nc[@]}" --run-dir /tmp/r-opt; keep /tmp/r-opt opt_alone
+run ft_make 150 python3 scripts/make_hf_checkpoint.py /tmp/qwen3-moe-3b
+run finetune 300 train finetune-h200 model.from_pretrained=/tmp/qwen3-moe-3b "${nc[@]}" \
+  --run-dir /tmp/r-ft; keep /tmp/r-ft finetune
+XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=40 run host_cap 240 train h200-1 train.steps=4 "${ON[@]}" \
+  "${nc[@]}" --run-dir /tmp/r-cap; keep /tmp/r-cap host_cap
 unset PEAKFLAT_JAX_CACHE
-rm -rf /tmp/dump-devopt
-XLA_FLAGS="--xla_dump_to=/tmp/dump-devopt --xla_dump_hlo_as_text" run devopt_dump 300 \
-  python3 -m peakflat_jax.cli train h200-1 train.steps=3 "${ON[@]}" operators.optimizer_offload=false \
-  "${nc[@]}" --run-dir /tmp/r-devopt
-keep /tmp/r-devopt devopt
-mkdir -p /tmp/pick && for f in $(ls -S /tmp/dump-devopt/*buffer-assignment.txt | head -2); do
-  head -c 6000000 "$f" > "/tmp/pick/$(basename "$f")"; done
-cp /tmp/dump-devopt/*train_step*memory-usage-report.txt /tmp/pick/ 2>/dev/null
-tar -czf "$LOGS/dump-devopt.tgz" -C /tmp pick
-run plan_auto 300 python3 -m peakflat_jax.cli plan h200-1 --check
-run plan_on 300 python3 -m peakflat_jax.cli plan h200-1 "${ON[@]}" --check
+rm -rf /tmp/dump-on
+XLA_FLAGS="--xla_dump_to=/tmp/dump-on --xla_dump_hlo_as_text --xla_dump_hlo_module_re=overlapped" \
+  run dump_on16k 200 python3 -m peakflat_jax.cli plan h200-1 data.seq_len=16384 "${ON[@]}" --check
+mkdir -p /tmp/pick && for f in $(ls -S /tmp/dump-on/*buffer-assignment.txt | head -1); do
+  head -c 8000000 "$f" > "/tmp/pick/$(basename "$f")"; done
+cp /tmp/dump-on/*memory-usage-report.txt /tmp/pick/ 2>/dev/null
+tar -czf "$LOGS/dump-on16k.tgz" -C /tmp pick
+OFF=(operators.moe_dispatch=ep operators.loss=materialized operators.offload=none
+     operators.optimizer_offload=false train.device_memory_gib=1000 --device-memory 1000)
+for n in 262144 393216; do
+  run off_$n 150 python3 -m peakflat_jax.cli plan h200-1 data.seq_len=$n "${OFF[@]}" --check
+done
 echo "=== all done $(date -Is)"
