@@ -180,7 +180,10 @@ def _train(args: argparse.Namespace) -> int:
 
     timeline = Timeline()  # where the start-up goes, from the process's start
     timeline.mark("imports")
+    from peakflat_jax.plan.host_pool import cap_from_plan
+
     try:
+        cap_from_plan(config)  # XLA reads the pinned-host pool's cap when its backend starts
         mesh.initialize_distributed(config.mesh)  # before anything starts a backend
         enable_compilation_cache()
         jax.devices()  # the backend started here (not inside the trainer's set-up)

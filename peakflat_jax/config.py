@@ -400,6 +400,12 @@ class DeviceConfig:
     host_memory_gib: float | None = None
     """Host memory per device in GiB (the share of its host's memory that one device's process
     may use); None: the planning machine's physical memory over its local devices."""
+    pinned_host_pool: Literal["xla", "planned"] = "xla"
+    """On a GPU, the cap of XLA's pinned-host pool, which serves the offloaded optimizer's
+    state and SCO's boundaries and grows by doubling regions (up to twice the live bytes):
+    ``xla``, XLA's own (64 GiB unless ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` is set); ``planned``,
+    ``peakflat train`` sets that variable from the plan's pinned bytes (10% and 2 GiB of
+    margin) before the backend starts, where it is unset (``plan.host_pool``)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -139,6 +139,31 @@ def test_the_plan_bounds_what_the_gpu_measured_at_four_segments(overrides, progr
     assert measured() <= bound <= 1.2 * measured()
 
 
+HOST = {
+    # run -> (its record, overrides of h200-1 as it is): the process's resident memory
+    "auto_cold": (TRAIN_AUTO, ALL_OFF), "auto_warm": (TRAIN_AUTO, ALL_OFF),
+    "alone_pipelined": (TRAIN_AUTO, ALL_OFF + ["operators.moe_dispatch=pipelined"]),
+    "alone_ring": (TRAIN_AUTO, ALL_OFF + ["operators.loss=ring"]),
+    "alone_sco": (TRAIN_AUTO, ALL_OFF + ["operators.offload=all", "operators.layer_loop=scan"]),
+    "on_unrolled": (TRAIN_AUTO, ON_UNROLLED),
+    "on_slots16": (CHECKS, ON_UNROLLED + ["optimizer.slots=16"]),
+    "on_slots60": (CHECKS, ON_UNROLLED + ["optimizer.slots=60"]),
+    "losses30": (CHECKS, ALL_OFF),
+}
+
+
+@pytest.mark.parametrize("run", HOST)
+def test_the_host_plan_bounds_the_resident_memory(run):
+    """The host's terms (the pinned arrays, XLA's pinned-host pool grown over them, the
+    runtime) against each run's resident memory: the runtime is a measured constant of these
+    runs (``plan.host_pool.RUNTIME_GPU``); the pool is modelled from XLA's allocator."""
+    record, overrides = HOST[run]
+    measured = json.loads(record.read_text())["runs"][run]["host_bytes"]
+    plan = make_plan(load_config("h200-1", overrides), 1, platform="gpu", baseline=False,
+                     search_context=False)
+    assert measured <= plan.host_bytes <= 1.2 * measured
+
+
 def test_the_cudnn_workspace_is_the_buffer_xla_gave_it():
     """The attention backward's workspace formula against the u8 buffer of every
     ``dot_product_attention_bwd`` in XLA:GPU's buffer assignment of h200-1's programs."""

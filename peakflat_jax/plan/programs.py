@@ -9,7 +9,7 @@ from typing import Any
 
 from peakflat_jax.config import Config
 from peakflat_jax.plan.errors import GIB
-from peakflat_jax.plan.terms import PHASES, Knobs, Term, phase_total, plan_terms
+from peakflat_jax.plan.terms import PHASES, POOL_EXHAUSTED, Knobs, Term, phase_total, plan_terms
 
 # ----------------------------------------------------------------------------------------------
 # Composing the terms.
@@ -170,7 +170,16 @@ def _reasons(plan: Plan) -> list[str]:
         remedies.append("a shorter context (data.seq_len) or fewer sequences (data.batch_size)")
         remedies.append("`peakflat plan CONFIG --auto` to choose the knobs")
         reasons.append("to change: " + "; ".join(remedies))
-    if plan.fits_host is False:
+    if plan.fits_host is False and any(t.name == "host.pinned_pool_growth"
+                                       and t.bytes >= POOL_EXHAUSTED for t in plan.terms):
+        pinned = sum(t.bytes for t in plan.terms
+                     if t.name in ("host.optimizer_state", "host.offloaded_boundaries"))
+        reasons.append(
+            f"the pinned host arrays ({pinned / GIB:.2f} GiB per device) do not fit XLA's "
+            f"pinned-host pool (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, default 64 GiB); to "
+            f"change: device.pinned_host_pool: planned (the cap from the plan), offload fewer "
+            f"boundaries (operators.offload), or keep the optimizer on the device")
+    elif plan.fits_host is False:
         reasons.append(
             f"the host needs {plan.host_bytes / GIB:.2f} GiB per device, it has "
             f"{plan.host_memory / GIB:.2f} GiB; to change: offload fewer boundaries "

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+import peakflat_jax.plan.host_pool as host_pool
 from peakflat_jax import mesh as mop
 from peakflat_jax.config import Config, ConfigError
 from peakflat_jax.ops import ring_cross_entropy as ring_module
@@ -52,6 +53,12 @@ MEMORY_FORMULAS: dict[str, str] = {
     "embedding_gradient": "V' * H * b: the table's dense gradient before the reduce-scatter, "
                           "which XLA may allocate before the layers' backward (XLA:CPU did)",
     "optimizer_update": "2 * P * 4: the fused AdamW's fp32 gradients (clipped) and updates",
+    "runtime_gpu": "6 GiB scanned, 9 unrolled, on a GPU: the trainer process's Python, jax, "
+                   "CUDA, cuDNN and compiled programs (measured on an H200: 5.5-6.0 and 8.3-8.7)",
+    "pinned_pool_growth": "pool - live: XLA's pinned-host pool grows by doubling regions over the "
+                          "pinned arrays (optimizer buckets, boundaries) up to its limit "
+                          "(plan.host_pool; device.pinned_host_pool); more than any host where "
+                          "the limit is reached first",
     "optimizer_update_gpu": "0 on a GPU: XLA:GPU fuses the update into elementwise loops over "
                             "the donated state (measured: no fp32 copy of the gradients)",
     "overlap.moe_layer_weights": "2 * P_m * b: the MoE layers' updated weights taken per layer and "
@@ -354,11 +361,50 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
         add("optimizer_update", 0, "update", MEMORY_FORMULAS["optimizer_update_gpu"])
     else:
         add("optimizer_update", 2 * weights.param_count * 4, "update")
-    add("host.offloaded_boundaries", sco_module.sco_host_bytes(knobs.num_offloaded, boundary),
-        "host", "n_offloaded * C (sco_host_bytes)")
+    offloaded = sco_module.sco_host_bytes(knobs.num_offloaded, boundary)
+    add("host.offloaded_boundaries", offloaded, "host", "n_offloaded * C (sco_host_bytes)")
     add("host.data_pipeline", _pipeline_bytes(config, knobs), "host",
         MEMORY_FORMULAS["data_pipeline"])
+    if platform == "gpu":
+        loop = "scan" if config.operators.layer_loop == "scan" else "unrolled"
+        add("host.runtime_gpu", host_pool.RUNTIME_GPU[loop], "host",
+            MEMORY_FORMULAS["runtime_gpu"])
+        pinned = pinned_allocations(knobs, weights.param_count, offloaded)
+        add("host.pinned_pool_growth", _pool_growth(config, pinned), "host",
+            MEMORY_FORMULAS["pinned_pool_growth"])
     return terms
+
+
+POOL_EXHAUSTED = 2**60
+"""``host.pinned_pool_growth`` where the pool's limit comes first: more than any host has."""
+
+
+def pinned_allocations(knobs: Knobs, num_params: int, offloaded_boundaries: int) -> list[int]:
+    """The pinned_host arrays of a step, in the order they are made: the streamed optimizer's
+    master, mu and nu per bucket of ``bucket_params`` (the state, made first), then the offloaded
+    boundaries (one block of the program's host temporaries)."""
+    sizes = []
+    if knobs.optimizer_offload:
+        bucket = min(knobs.bucket_params, num_params)
+        full, rest = divmod(num_params, bucket)
+        sizes = [bucket * 4] * (3 * full) + ([rest * 4] * 3 if rest else [])
+    return sizes + ([offloaded_boundaries] if offloaded_boundaries else [])
+
+
+def pool_limit(config: Config, pinned: list[int]) -> int:
+    """The pinned-host pool's limit for ``config`` (``device.pinned_host_pool``), in bytes."""
+    if config.device.pinned_host_pool == "planned":
+        return host_pool.planned_limit_gib(sum(pinned)) * host_pool.GIB
+    return host_pool.XLA_DEFAULT_LIMIT_GIB * host_pool.GIB
+
+
+def _pool_growth(config: Config, pinned: list[int]) -> int:
+    """The pool's bytes beyond the live ones; where the limit is reached first, more than any
+    host has (the run cannot allocate its state: ``device.pinned_host_pool: planned``)."""
+    try:
+        return host_pool.pool_bytes(pinned, pool_limit(config, pinned)) - sum(pinned)
+    except MemoryError:
+        return POOL_EXHAUSTED
 
 
 def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightBytes,

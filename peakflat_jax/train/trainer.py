@@ -50,6 +50,7 @@ from peakflat_jax.model.layers import Runtime
 from peakflat_jax.model.sharding import abstract_model, init_model
 from peakflat_jax.ops.sco import PerLayer
 from peakflat_jax.plan import DoesNotFit, check_plan, offload_flags
+from peakflat_jax.plan.host_pool import LIMIT_VARIABLE
 from peakflat_jax.train import checkpoint as ckpt
 from peakflat_jax.train import data as data_pipeline
 from peakflat_jax.train import interrupts, startup
@@ -597,7 +598,10 @@ class Trainer:
                 f"{len(self.offload)} boundaries, optimizer "
                 f"{'offloaded' if self.offloaded_optimizer else 'on device'}, attention "
                 f"{self.runtime.attention}; step {state.step} of {self.total_steps}"
-                + (f"\n{chosen}" if (chosen := describe_operators(self.plan.choices)) else ""))
+                + (f"\n{chosen}" if (chosen := describe_operators(self.plan.choices)) else "")
+                + (f"\npinned-host pool capped at {cap} GiB ({LIMIT_VARIABLE})"
+                   if self.plan.platform == "gpu" and (cap := os.environ.get(LIMIT_VARIABLE))
+                   else ""))
 
     def summary(self, history: list[dict], state: TrainState) -> dict:
         timed = history[1:] or history  # the first step's time includes warming up

@@ -1,0 +1,99 @@
+"""XLA's pinned-host pool on a GPU: what a run's pinned_host arrays cost in resident memory.
+
+On a GPU, XLA serves every ``pinned_host`` buffer (the streamed optimizer's buckets, SCO's
+boundaries) from one BFC allocator per device over ``cuMemHostAlloc``
+(``xla/pjrt/gpu/gpu_helpers.cc``, ``GetGpuHostAllocator``; ``tsl/framework/bfc_allocator.cc``).
+The pool grows by regions: a request that does not fit the free space gets a new region of the
+current region size, doubled until it holds the request (the first from 2 MiB), after which
+the size doubles again; a region is ``min(size, limit - pool)``; nothing is returned to the
+system before the process ends. The limit is ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` (GiB,
+default 64), read once when the backend starts. Page-locked memory is resident: the pool, not
+the live bytes, is what the host holds.
+
+Measured on an H200 (``scripts/probes/probe_pinned_host_rss.py``, 2026-12-01): 171 fp32
+buckets of 5e7 elements (31.9 GiB) grew the process by 69.4 GiB; h200-1 with AdamW's state on
+the host (177 such arrays, 33.0 GiB) held 72 GiB. The model below gives 63.75 GiB of pool for
+both; the rest is the runtime (``RUNTIME_GPU``, which loads its libraries on first use).
+
+``pool_bytes`` simulates the growth for a list of allocations; ``planned_limit_gib`` is the cap
+a run sets from its plan (``device.pinned_host_pool: planned``), so that the pool is the
+planned bytes and a margin instead of up to twice them.
+"""
+
+from __future__ import annotations
+
+import math
+
+GIB = 2**30
+MIB = 2**20
+FIRST_REGION = 2 * MIB
+"""BFC's first region with growth on."""
+XLA_DEFAULT_LIMIT_GIB = 64
+"""``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``'s default without preallocation."""
+LIMIT_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+RUNTIME_GPU = {"scan": 6 * GIB, "unrolled": 9 * GIB}
+"""Resident bytes of a trainer process on a GPU beyond its pinned pool and data (Python, jax,
+CUDA, cuDNN, XLA's programs and what their compile kept), by the layer loop. Measured on an
+H200 for h200-1: scanned, nothing pinned, 5.49 to 5.98 GiB over six runs; unrolled with the
+optimizer's state pinned, 8.3 to 8.7 GiB beyond the modelled pool over three
+(h200_1_train_auto_gpu_20261201-140353.json, h200_1_plan_check_gpu_20261201-141839.json)."""
+PLANNED_MARGIN = 0.1
+PLANNED_EXTRA = 2 * GIB
+
+
+def pool_bytes(allocations, limit: int = XLA_DEFAULT_LIMIT_GIB * GIB) -> int:
+    """Bytes of the pool after ``allocations`` (sizes in bytes, in order, all live): each fills
+    the first region with room, else the pool grows (module doc). Raises MemoryError where the
+    limit is reached first (XLA would fail the allocation)."""
+    regions: list[int] = []  # free bytes of each region
+    pool, size = 0, FIRST_REGION
+    for request in allocations:
+        for i, free in enumerate(regions):
+            if free >= request:
+                regions[i] -= request
+                break
+        else:
+            while size < request:
+                size *= 2
+            region = min(size, limit - pool)
+            if region < request:
+                raise MemoryError(f"the pinned-host pool's limit ({limit / GIB:.1f} GiB) is "
+                                  f"reached at {pool / GIB:.2f} GiB")
+            size *= 2
+            pool += region
+            regions.append(region - request)
+    return pool
+
+
+def planned_limit_gib(pinned_bytes: int) -> int:
+    """The pool's cap for ``pinned_bytes`` of planned pinned arrays: 10% and 2 GiB of margin,
+    in whole GiB (the variable's unit)."""
+    return math.ceil((pinned_bytes * (1 + PLANNED_MARGIN) + PLANNED_EXTRA) / GIB)
+
+
+def cap_from_plan(config) -> int | None:
+    """Sets ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` for ``config`` and returns it (GiB): on a GPU
+    config with ``device.pinned_host_pool: planned`` whose plan pins something, where the
+    variable is unset (a value the user set stays; None is returned then, and elsewhere). Call
+    it before the backend starts: XLA reads the variable once. The plan is the config's own
+    target's (``device``), made without a backend."""
+    import os
+
+    from peakflat_jax.plan.search import make_plan
+
+    device = config.device
+    if (device.platform != "gpu" or device.pinned_host_pool != "planned"
+            or LIMIT_VARIABLE in os.environ):
+        return None
+    count = device.count or config.mesh.data * (config.mesh.seq or 1)
+    memory = None if device.memory_gib is None else int(device.memory_gib * GIB)
+    host = None if device.host_memory_gib is None else int(device.host_memory_gib * GIB)
+    plan = make_plan(config, count, device_memory=memory, host_memory=host, platform="gpu",
+                     baseline=False, search_context=False)
+    pinned = sum(t.bytes for t in plan.terms
+                 if t.name in ("host.optimizer_state", "host.offloaded_boundaries"))
+    if not pinned:
+        return None
+    limit = planned_limit_gib(pinned)
+    os.environ[LIMIT_VARIABLE] = str(limit)
+    return limit

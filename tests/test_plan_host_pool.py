@@ -1,0 +1,63 @@
+"""XLA's pinned-host pool in the plan (``plan.host_pool``): the model against what an H200
+measured, the planned cap, and a state the default pool cannot hold."""
+
+import json
+import pathlib
+
+import pytest
+
+from peakflat_jax.config import load_config
+from peakflat_jax.plan import host_pool, make_plan
+
+RESULTS = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "results"
+GIB = 2**30
+ON = ["operators.moe_dispatch=pipelined", "operators.loss=ring", "operators.offload=all",
+      "operators.optimizer_offload=true", "operators.layer_loop=unrolled"]
+
+
+def test_the_pool_model_against_the_probe():
+    """The probe's 171 pinned fp32 buckets: the modelled pool is what the process grew by, less
+    the runtime it loaded on first use (at most ``RUNTIME_GPU``'s scanned figure)."""
+    probe = json.loads((RESULTS / "h200_1_plan_check_gpu_20261201-141839.json").read_text())
+    summary = probe["pinned_host_probe"]["summary"]
+    bucket_bytes = summary["bucket"] * 4
+    pool = host_pool.pool_bytes([bucket_bytes] * summary["arrays"])
+    grown = summary["jit_out_pinned_host"]["rss_growth"]
+    assert summary["live_bytes"] < pool < grown < pool + host_pool.RUNTIME_GPU["scan"]
+    # Capped, the same arrays need no more than the cap; below what they need, it fails.
+    assert host_pool.pool_bytes([bucket_bytes] * summary["arrays"], limit=33 * GIB) <= 33 * GIB
+    with pytest.raises(MemoryError, match="limit"):
+        host_pool.pool_bytes([bucket_bytes] * summary["arrays"], limit=30 * GIB)
+
+
+def test_the_planned_cap_is_set_before_the_backend(monkeypatch):
+    monkeypatch.delenv(host_pool.LIMIT_VARIABLE, raising=False)
+    config = load_config("h200-1", [*ON, "device.pinned_host_pool=planned"])
+    plan = make_plan(config, 1, platform="gpu", baseline=False, search_context=False)
+    pinned = sum(t.bytes for t in plan.terms
+                 if t.name in ("host.optimizer_state", "host.offloaded_boundaries"))
+    limit = host_pool.cap_from_plan(config)
+    assert limit == host_pool.planned_limit_gib(pinned) and 35 * GIB < pinned < limit * GIB
+    assert int(__import__("os").environ[host_pool.LIMIT_VARIABLE]) == limit
+    # The capped pool is planned: what the pool adds to the live bytes is under the margin.
+    growth = {t.name: t.bytes for t in plan.terms}["host.pinned_pool_growth"]
+    assert growth <= limit * GIB - pinned
+    # A value the user set stays; XLA's own pool, and a CPU config, set nothing.
+    monkeypatch.setenv(host_pool.LIMIT_VARIABLE, "50")
+    assert host_pool.cap_from_plan(config) is None
+    monkeypatch.delenv(host_pool.LIMIT_VARIABLE)
+    assert host_pool.cap_from_plan(load_config("h200-1", ON)) is None
+    assert host_pool.cap_from_plan(load_config("tiny", ["device.pinned_host_pool=planned"])) is None
+
+
+def test_a_state_past_the_default_pool_does_not_fit_the_host():
+    """h200-1 at 16 layers: 5.9B parameters, 66 GiB of streamed state, past XLA's 64 GiB pool:
+    the host does not fit with XLA's cap and does with the planned one (host memory 128 GiB)."""
+    overrides = [*ON, "model.num_layers=16"]
+    default = make_plan(load_config("h200-1", overrides), 1, platform="gpu",
+                        host_memory=128 * GIB, baseline=False, search_context=False)
+    planned = make_plan(load_config("h200-1", [*overrides, "device.pinned_host_pool=planned"]),
+                        1, platform="gpu", host_memory=128 * GIB, baseline=False,
+                        search_context=False)
+    assert default.fits_host is False and planned.fits_host is True
+    assert "device.pinned_host_pool: planned" in default.reasons()[-1]
