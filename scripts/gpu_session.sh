@@ -15,8 +15,9 @@
 #   opt_alone   the streamed optimizer alone (the rest auto), written back under the backward
 #   finetune    issue 29: a random 3.3B Qwen3-MoE checkpoint (scripts/make_hf_checkpoint.py),
 #               20 steps at 64K with operators auto
-#   host_cap    issue 25's host: all four on with XLA's pinned-host pool capped at 40 GiB
-#               (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB): resident memory and the state phase
+#   host_cap    issue 25's host: all four on with XLA's pinned-host pool capped from the plan
+#               (device.pinned_host_pool: planned, 41 GiB): resident memory (planned ~50 GiB,
+#               72 uncapped) and the state phase (42 s uncapped); if it holds, make it the default
 #   dump_on16k  the overlapped step's GPU buffer assignment at 16K (the plan is 1.33x there)
 #   off_256k / off_384k  the standard stack compiled (not run) past the plan's 319K: where XLA's
 #               plan crosses the device (the plan's largest context against the real one)
@@ -52,7 +53,7 @@ run opt_alone 240 train h200-1 train.steps=7 operators.optimizer_offload=true \
 run ft_make 150 python3 scripts/make_hf_checkpoint.py /tmp/qwen3-moe-3b
 run finetune 300 train finetune-h200 model.from_pretrained=/tmp/qwen3-moe-3b "${nc[@]}" \
   --run-dir /tmp/r-ft; keep /tmp/r-ft finetune
-XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=40 run host_cap 240 train h200-1 train.steps=4 "${ON[@]}" \
+run host_cap 240 train h200-1 train.steps=4 "${ON[@]}" device.pinned_host_pool=planned \
   "${nc[@]}" --run-dir /tmp/r-cap; keep /tmp/r-cap host_cap
 unset PEAKFLAT_JAX_CACHE
 rm -rf /tmp/dump-on
