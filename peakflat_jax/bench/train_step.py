@@ -9,9 +9,9 @@ in a fresh process, with the planner's bound beside the measured peak.
 A case: ``config`` (a preset's name or a path), ``overrides`` (``section.field=value``),
 ``mode`` (``overlap``, ``plain``: the optimizer's own program after the gradients,
 ``no_optimizer``: the gradient program alone, ``device``: the fused step with optax on the
-device), ``steps`` timed after ``warmup``. Step times are medians of wall time per step, each
-step waiting for its loss; the batches come from the data pipeline, made before the clock
-starts.
+device, ``auto``: the config's operators as they are), ``steps`` timed after ``warmup``. Step
+times are medians of wall time per step, each step waiting for its loss; the batches come from
+the data pipeline, made before the clock starts.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ MODES = {
     "plain": ["operators.optimizer_offload=true", "operators.optimizer_overlap=false"],
     "no_optimizer": ["operators.optimizer_offload=true", "operators.optimizer_overlap=false"],
     "device": ["operators.optimizer_offload=false"],
+    "auto": [],  # the config's own operators (auto: the planner's choice)
 }
 
 
