@@ -53,12 +53,14 @@ def run_case(case: dict) -> dict:
     from peakflat_jax.cli import enable_compilation_cache
     from peakflat_jax.config import load_config
     from peakflat_jax.model.size import model_flops
+    from peakflat_jax.plan.host_pool import cap_from_plan
     from peakflat_jax.train.trainer import DoesNotFit, Trainer
 
-    enable_compilation_cache()  # the modes of one config share its gradient program
     mode = case["mode"]
     config = load_config(case["config"], [*case.get("overrides", []), *MODES[mode],
                                           "train.checkpoint_every=0"])
+    cap_from_plan(config)  # as peakflat train does, before the backend starts
+    enable_compilation_cache()  # the modes of one config share its gradient program
     trainer = Trainer(config, run_dir=tempfile.mkdtemp())
     state = trainer.initial_state()
     warmup, steps = case.get("warmup", 1), case.get("steps", 5)

@@ -65,35 +65,57 @@ def pool_bytes(allocations, limit: int = XLA_DEFAULT_LIMIT_GIB * GIB) -> int:
     return pool
 
 
-def planned_limit_gib(pinned_bytes: int) -> int:
-    """The pool's cap for ``pinned_bytes`` of planned pinned arrays: 10% and 2 GiB of margin,
-    in whole GiB (the variable's unit)."""
-    return math.ceil((pinned_bytes * (1 + PLANNED_MARGIN) + PLANNED_EXTRA) / GIB)
+def planned_limit_gib(allocations) -> int:
+    """The pool's cap for the planned pinned ``allocations`` (bytes, in order): their sum with
+    10% and 2 GiB of margin, in whole GiB (the variable's unit), raised a GiB at a time until
+    the pool's growth (``pool_bytes``) holds them: space a region strands counts too."""
+    allocations = list(allocations)
+    limit = math.ceil((sum(allocations) * (1 + PLANNED_MARGIN) + PLANNED_EXTRA) / GIB)
+    while True:
+        try:
+            pool_bytes(allocations, limit * GIB)
+            return limit
+        except MemoryError:
+            limit += 1
+
+
+def set_limit_gib() -> int | None:
+    """The pool's cap the environment sets (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``), or None."""
+    import os
+
+    value = os.environ.get(LIMIT_VARIABLE)
+    try:
+        return int(value) if value else None
+    except ValueError:
+        return None
 
 
 def cap_from_plan(config) -> int | None:
     """Sets ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` for ``config`` and returns it (GiB): on a GPU
-    config with ``device.pinned_host_pool: planned`` whose plan pins something, where the
-    variable is unset (a value the user set stays; None is returned then, and elsewhere). Call
-    it before the backend starts: XLA reads the variable once. The plan is the config's own
-    target's (``device``), made without a backend."""
+    config with ``device.pinned_host_pool: planned`` that can pin something, where the variable
+    is unset (a value the user set stays; None is returned then, and elsewhere). Call it before
+    the backend starts: XLA reads the variable once. The cap is planned with the config's auto
+    operators on (the streamed optimizer, every boundary offloaded): the most the run can pin,
+    whatever the trainer's own plan then chooses on the devices it finds (a cap reserves
+    nothing). Made without a backend."""
     import os
 
+    from peakflat_jax.plan.operators import with_operators_on
     from peakflat_jax.plan.search import make_plan
+    from peakflat_jax.plan.terms import pinned_allocations
 
     device = config.device
     if (device.platform != "gpu" or device.pinned_host_pool != "planned"
             or LIMIT_VARIABLE in os.environ):
         return None
     count = device.count or config.mesh.data * (config.mesh.seq or 1)
-    memory = None if device.memory_gib is None else int(device.memory_gib * GIB)
-    host = None if device.host_memory_gib is None else int(device.host_memory_gib * GIB)
-    plan = make_plan(config, count, device_memory=memory, host_memory=host, platform="gpu",
-                     baseline=False, search_context=False)
-    pinned = sum(t.bytes for t in plan.terms
-                 if t.name in ("host.optimizer_state", "host.offloaded_boundaries"))
-    if not pinned:
+    plan = make_plan(with_operators_on(config), count, platform="gpu", baseline=False,
+                     search_context=False)
+    terms = {t.name: t.bytes for t in plan.terms}
+    allocations = pinned_allocations(plan.knobs, terms["host.optimizer_state"] // 12,
+                                     terms["host.offloaded_boundaries"])
+    if not allocations:
         return None
-    limit = planned_limit_gib(pinned)
+    limit = planned_limit_gib(allocations)
     os.environ[LIMIT_VARIABLE] = str(limit)
     return limit

@@ -33,6 +33,14 @@ def program_bytes(terms: Sequence[Term]) -> dict[str, int]:
     return programs
 
 
+def pool_limit_gib() -> str:
+    """The pinned-host pool's limit as the environment or XLA sets it (for a reason's text)."""
+    from peakflat_jax.plan.host_pool import XLA_DEFAULT_LIMIT_GIB, set_limit_gib
+
+    limit = set_limit_gib()
+    return f"{limit}, set" if limit is not None else f"{XLA_DEFAULT_LIMIT_GIB}, XLA's default"
+
+
 def phase_bytes(terms: Sequence[Term]) -> dict[str, int]:
     """Each phase's bytes (its sub-phases, ``layer/attention`` and ``layer/ffn``, take
     turns)."""
@@ -174,11 +182,13 @@ def _reasons(plan: Plan) -> list[str]:
                                        and t.bytes >= POOL_EXHAUSTED for t in plan.terms):
         pinned = sum(t.bytes for t in plan.terms
                      if t.name in ("host.optimizer_state", "host.offloaded_boundaries"))
+        cap = ("device.pinned_host_pool: planned (the cap from the plan), "
+               if plan.config.device.pinned_host_pool == "xla" else "")
         reasons.append(
             f"the pinned host arrays ({pinned / GIB:.2f} GiB per device) do not fit XLA's "
-            f"pinned-host pool (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, default 64 GiB); to "
-            f"change: device.pinned_host_pool: planned (the cap from the plan), offload fewer "
-            f"boundaries (operators.offload), or keep the optimizer on the device")
+            f"pinned-host pool (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB: {pool_limit_gib()} GiB); "
+            f"to change: {cap}offload fewer boundaries (operators.offload), or keep the "
+            f"optimizer on the device")
     elif plan.fits_host is False:
         reasons.append(
             f"the host needs {plan.host_bytes / GIB:.2f} GiB per device, it has "

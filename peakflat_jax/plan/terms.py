@@ -339,12 +339,13 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
             offload_module.offload_stream_adamw_host_bytes(weights.param_count), "host",
             "12 * P: fp32 master, mu and nu (offload_stream_adamw_host_bytes)")
         if knobs.optimizer_overlap and config.operators.optimizer_writeback == "backward":
+            bucket = min(knobs.bucket_params, weights.param_count)
             add("overlap.deferred_writeback",
                 offload_module.offload_stream_adamw_host_bytes(weights.param_count)
-                + step["staging_gpu_excess"], "overlap",
-                "12 * P + min(beta, P) * 8: every bucket's new fp32 master, mu and nu, held on "
+                + 12 * bucket, "overlap",
+                "12 * P + 12 * min(beta, P): every bucket's new fp32 master, mu and nu, held on "
                 "the device from its update until the forward's loss (written back under the "
-                "backward), and one bucket's fp32 gradient")
+                "backward), and one bucket's fp32 gradient and XLA:GPU's excess (not measured)")
         elif knobs.optimizer_overlap:
             # XLA:CPU updates the donated host buffers in place: nothing is staged there
             # (tests/test_optim_memory.py measured it).
@@ -392,9 +393,12 @@ def pinned_allocations(knobs: Knobs, num_params: int, offloaded_boundaries: int)
 
 
 def pool_limit(config: Config, pinned: list[int]) -> int:
-    """The pinned-host pool's limit for ``config`` (``device.pinned_host_pool``), in bytes."""
+    """The pinned-host pool's limit, in bytes: the environment's where it is set, else the
+    cap ``device.pinned_host_pool`` gives (``planned``: from these arrays; ``xla``: XLA's)."""
+    if (limit := host_pool.set_limit_gib()) is not None:
+        return limit * host_pool.GIB
     if config.device.pinned_host_pool == "planned":
-        return host_pool.planned_limit_gib(sum(pinned)) * host_pool.GIB
+        return host_pool.planned_limit_gib(pinned) * host_pool.GIB
     return host_pool.XLA_DEFAULT_LIMIT_GIB * host_pool.GIB
 
 

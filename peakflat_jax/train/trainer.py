@@ -599,7 +599,7 @@ class Trainer:
                 f"{'offloaded' if self.offloaded_optimizer else 'on device'}, attention "
                 f"{self.runtime.attention}; step {state.step} of {self.total_steps}"
                 + (f"\n{chosen}" if (chosen := describe_operators(self.plan.choices)) else "")
-                + (f"\npinned-host pool capped at {cap} GiB ({LIMIT_VARIABLE})"
+                + (f"\npinned-host pool limit {cap} GiB ({LIMIT_VARIABLE})"
                    if self.plan.platform == "gpu" and (cap := os.environ.get(LIMIT_VARIABLE))
                    else ""))
 
