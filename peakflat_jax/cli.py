@@ -87,7 +87,7 @@ gradients on some executions of one executable, the loss right (docs/hf.md holds
 XLA reads it once per process, before its backends start, so it is set here."""
 
 
-def _prepare_environment() -> None:
+def prepare_environment() -> None:
     """Before jax's backends start: 8 simulated devices where the backend is the CPU (ignored by GPU
     backends), XLA:CPU's concurrency-optimized scheduler off (``CPU_SCHEDULER_FLAG``; a CPU
     flag, ignored by GPU backends too), and room for the largest baselines on a GPU (JAX
@@ -328,7 +328,7 @@ def _main(argv: list[str]) -> int:
 
     args = parse_arguments(make_parser(), argv)
     args.argv = argv
-    _prepare_environment()
+    prepare_environment()
     if args.command == "train":
         return _train(args)
     if args.command == "plan":

@@ -141,7 +141,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900, help="seconds per probe")
     parser.add_argument("--out-dir")
     args = parser.parse_args()
+    from peakflat_jax.cli import prepare_environment
     from peakflat_jax.config import load_config
+
+    # As `peakflat` sets it up, for every probe's process: on a CPU, 8 devices and XLA:CPU's
+    # concurrency-optimized scheduler off (without it, probes of tiny crashed: SIGSEGV/SIGABRT).
+    prepare_environment()
 
     args.data_degree = load_config(args.config, args.overrides).mesh.data
 
