@@ -9,6 +9,7 @@ import pytest
 
 from peakflat_jax.config import load_config
 from peakflat_jax.plan import host_pool, make_plan
+from peakflat_jax.plan.terms import PINNED_TERMS
 
 RESULTS = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "results"
 GIB = 2**30
@@ -43,8 +44,7 @@ def test_the_pool_model_against_the_probe():
 def test_the_planned_cap_is_set_before_the_backend(environ):
     config = load_config("h200-1", [*ON, "device.pinned_host_pool=planned"])
     plan = make_plan(config, 1, platform="gpu", baseline=False, search_context=False)
-    pinned = sum(t.bytes for t in plan.terms
-                 if t.name in ("host.optimizer_state", "host.offloaded_boundaries"))
+    pinned = sum(t.bytes for t in plan.terms if t.name in PINNED_TERMS)
     limit = host_pool.cap_from_plan(config)
     assert 35 * GIB < pinned < limit * GIB <= pinned * 1.1 + 3 * GIB
     assert int(environ[host_pool.LIMIT_VARIABLE]) == limit
@@ -63,6 +63,11 @@ def test_the_planned_cap_is_set_before_the_backend(environ):
     assert host_pool.cap_from_plan(config) is None
     del environ[host_pool.LIMIT_VARIABLE]
     assert host_pool.cap_from_plan(load_config("h200-1", ON)) is None
+    # The optimizer forced onto the device: only the boundaries are pinned.
+    boundaries_only = host_pool.cap_from_plan(load_config(
+        "h200-1", ["operators.optimizer_offload=false", "device.pinned_host_pool=planned"]))
+    assert 0 < boundaries_only < limit
+    del environ[host_pool.LIMIT_VARIABLE]
     assert host_pool.cap_from_plan(load_config("tiny", ["device.pinned_host_pool=planned"])) is None
 
 

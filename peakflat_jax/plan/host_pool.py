@@ -111,9 +111,7 @@ def cap_from_plan(config) -> int | None:
     count = device.count or config.mesh.data * (config.mesh.seq or 1)
     plan = make_plan(with_operators_on(config), count, platform="gpu", baseline=False,
                      search_context=False)
-    terms = {t.name: t.bytes for t in plan.terms}
-    allocations = pinned_allocations(plan.knobs, terms["host.optimizer_state"] // 12,
-                                     terms["host.offloaded_boundaries"])
+    allocations = pinned_allocations(plan.knobs, plan.terms)
     if not allocations:
         return None
     limit = planned_limit_gib(allocations)

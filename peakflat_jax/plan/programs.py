@@ -9,7 +9,15 @@ from typing import Any
 
 from peakflat_jax.config import Config
 from peakflat_jax.plan.errors import GIB
-from peakflat_jax.plan.terms import PHASES, POOL_EXHAUSTED, Knobs, Term, phase_total, plan_terms
+from peakflat_jax.plan.terms import (
+    PHASES,
+    PINNED_TERMS,
+    POOL_EXHAUSTED,
+    Knobs,
+    Term,
+    phase_total,
+    plan_terms,
+)
 
 # ----------------------------------------------------------------------------------------------
 # Composing the terms.
@@ -180,8 +188,7 @@ def _reasons(plan: Plan) -> list[str]:
         reasons.append("to change: " + "; ".join(remedies))
     if plan.fits_host is False and any(t.name == "host.pinned_pool_growth"
                                        and t.bytes >= POOL_EXHAUSTED for t in plan.terms):
-        pinned = sum(t.bytes for t in plan.terms
-                     if t.name in ("host.optimizer_state", "host.offloaded_boundaries"))
+        pinned = sum(t.bytes for t in plan.terms if t.name in PINNED_TERMS)
         cap = ("device.pinned_host_pool: planned (the cap from the plan), "
                if plan.config.device.pinned_host_pool == "xla" else "")
         reasons.append(

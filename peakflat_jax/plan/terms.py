@@ -370,7 +370,7 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
         loop = "scan" if config.operators.layer_loop == "scan" else "unrolled"
         add("host.runtime_gpu", host_pool.RUNTIME_GPU[loop], "host",
             MEMORY_FORMULAS["runtime_gpu"])
-        pinned = pinned_allocations(knobs, weights.param_count, offloaded)
+        pinned = pinned_allocations(knobs, terms)
         add("host.pinned_pool_growth", _pool_growth(config, pinned), "host",
             MEMORY_FORMULAS["pinned_pool_growth"])
     return terms
@@ -380,16 +380,20 @@ POOL_EXHAUSTED = 2**60
 """``host.pinned_pool_growth`` where the pool's limit comes first: more than any host has."""
 
 
-def pinned_allocations(knobs: Knobs, num_params: int, offloaded_boundaries: int) -> list[int]:
-    """The pinned_host arrays of a step, in the order they are made: the streamed optimizer's
-    master, mu and nu per bucket of ``bucket_params`` (the state, made first), then the offloaded
-    boundaries (one block of the program's host temporaries)."""
-    sizes = []
-    if knobs.optimizer_offload:
-        bucket = min(knobs.bucket_params, num_params)
-        full, rest = divmod(num_params, bucket)
-        sizes = [bucket * 4] * (3 * full) + ([rest * 4] * 3 if rest else [])
-    return sizes + ([offloaded_boundaries] if offloaded_boundaries else [])
+PINNED_TERMS = ("host.optimizer_state", "host.offloaded_boundaries")
+"""The host terms held in pinned_host memory (XLA's pinned-host pool on a GPU)."""
+
+
+def pinned_allocations(knobs: Knobs, terms) -> list[int]:
+    """The pinned_host arrays behind ``terms``' ``PINNED_TERMS``, in the order they are made:
+    the streamed optimizer's state (made first) as three fp32 arrays (master, mu, nu) per
+    bucket of ``bucket_params``, then the offloaded boundaries (one block of the program's host
+    temporaries)."""
+    named = {t.name: t.bytes for t in terms}
+    state, boundaries = (named.get(name, 0) for name in PINNED_TERMS)
+    full, rest = divmod(state, 12 * knobs.bucket_params)
+    sizes = [4 * knobs.bucket_params] * (3 * full) + [rest // 3] * (3 if rest else 0)
+    return sizes + ([boundaries] if boundaries else [])
 
 
 def pool_limit(config: Config, pinned: list[int]) -> int:
