@@ -15,7 +15,15 @@ import textwrap
 import numpy as np
 import pytest
 import tokenizers
-from test_data import KEYS, assert_batches_equal, measured_peak, reference_pack, take
+from test_data import (
+    KEYS,
+    assert_batches_equal,
+    assert_resumes_exactly,
+    closed_states,
+    measured_peak,
+    reference_pack,
+    take,
+)
 
 from peakflat_jax.config import ConfigError, DataConfig, load_config
 from peakflat_jax.train import data as pf_data
@@ -298,25 +306,9 @@ def test_exact_resume_from_json_state(tmp_path, rng, tokenizer_dir, kind, proces
     data = DataConfig(source="jsonl", path=str(tmp_path / "data.jsonl"),
                       tokenizer=str(tokenizer_dir), seq_len=12, batch_size=2, max_segments=2,
                       seed=int(rng.integers(1000)), **fields)
-    index = int(rng.integers(process_count))
-
-    def make():
-        return pf_data.make_batches(data, vocab_size=300, process_index=index,
-                                    process_count=process_count)
-
-    iterator = make()
-    states, batches = [], []
-    for _ in range(12):
-        states.append(json.loads(json.dumps(iterator.get_state())))
-        batches.append(next(iterator))
-    batches += take(iterator, 3)
-    closed = [state for state in states
-              if all(tuple(s) == (-1, -1) for s in state["remainder_slices"].values())]
-    assert 1 <= len(closed) < len(states)  # both kinds of state
-    for step, state in enumerate(states):
-        fresh = make()
-        fresh.set_state(state)
-        assert_batches_equal(take(fresh, 3), batches[step:step + 3])
+    states = assert_resumes_exactly(data, vocab_size=300, process_count=process_count,
+                                    process_index=int(rng.integers(process_count)))
+    assert 1 <= len(closed_states(states)) < len(states)  # both kinds of state
 
 
 def test_processes_split_the_global_batch(tmp_path, rng, tokenizer_dir):

@@ -210,6 +210,18 @@ def test_bad_operands(rng):
 # The tiled path.
 
 
+def assert_float64_exact(out, dx, dw, x, w, sizes, ct):
+    """fp32 out, dx and dW within TOL of the float64 reference; padded rows (past the groups)
+    and empty groups' weight gradients exactly zero."""
+    total = int(np.sum(sizes))
+    for name, a, r in zip(("out", "dx", "dw"), (out, dx, dw), reference64(x, w, sizes, ct)):
+        assert a.dtype == jnp.float32 and a.shape == r.shape
+        assert max_relative_error(a, r) < TOL, name
+    assert not np.any(np.asarray(out)[total:]) and not np.any(np.asarray(dx)[total:])
+    for g in np.flatnonzero(np.asarray(sizes) == 0):
+        assert not np.any(np.asarray(dw)[g])
+
+
 @pytest.mark.parametrize("sizes,m,tile", [
     (*GROUPINGS[0], 4), (*GROUPINGS[0], 7), (*GROUPINGS[1], 7), (*GROUPINGS[2], 128),
     (*GROUPINGS[3], 4), ((100, 0, 21, 8, 70, 0, 3), 210, 16)])
@@ -222,12 +234,7 @@ def test_tiled_path_against_float64(rng, sizes, m, tile):
     x_padded, ct_padded = x.at[total:].set(jnp.nan), ct.at[total:].set(jnp.nan)
     fn = jax.jit(gm.tiled_grouped_matmul(tile))
     out, dx, dw = value_and_grads(fn, x_padded, w, sizes, ct_padded)
-    for name, a, r in zip(("out", "dx", "dw"), (out, dx, dw), reference64(x, w, sizes, ct)):
-        assert a.dtype == jnp.float32 and a.shape == r.shape
-        assert max_relative_error(a, r) < TOL, name
-    assert not np.any(np.asarray(out)[total:]) and not np.any(np.asarray(dx)[total:])
-    for g in np.flatnonzero(np.asarray(sizes) == 0):
-        assert not np.any(np.asarray(dw)[g])
+    assert_float64_exact(out, dx, dw, x, w, sizes, ct)
     assert jax.vjp(fn, x, w, sizes)[1](ct)[2].dtype == jax.dtypes.float0
 
 
@@ -310,12 +317,7 @@ def test_custom_vjp_rule_against_float64(rng, sizes, m):
     ct_padded = ct.at[total:].set(jnp.nan)
     fn = jax.jit(gm.build_grouped_matmul(REF_KERNELS))
     out, dx, dw = value_and_grads(fn, x, w, sizes, ct_padded)
-    for name, a, r in zip(("out", "dx", "dw"), (out, dx, dw), reference64(x, w, sizes, ct)):
-        assert a.dtype == jnp.float32 and a.shape == r.shape
-        assert max_relative_error(a, r) < TOL, name
-    assert not np.any(np.asarray(out)[total:]) and not np.any(np.asarray(dx)[total:])
-    for g in np.flatnonzero(np.asarray(sizes) == 0):
-        assert not np.any(np.asarray(dw)[g])
+    assert_float64_exact(out, dx, dw, x, w, sizes, ct)
     # value_and_grad through the rule, with no gradient for the sizes
     loss = lambda x, w: jnp.sum(fn(x, w, sizes) * ct)  # noqa: E731
     value, grads = jax.value_and_grad(loss, argnums=(0, 1))(x, w)
