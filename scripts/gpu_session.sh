@@ -9,6 +9,8 @@
 #
 # What each stage answers:
 #   base        the standard stack (operators auto at 64K), the same-run baseline of the others
+#   base_steps / compile_l8 / compile_l32   issue 24's remaining checks (another step count
+#               loads from the cache; 32 layers compile in <= 1.3x the 8-layer time)
 #   on_fwd / on_bwd   all four forced on, unrolled, the buckets written back as updated (slots:
 #               2.86 s at 42c4f77) or under the backward (operators.optimizer_writeback:
 #               backward): issue 26's exposure and its <= 1.25x target
@@ -44,6 +46,12 @@ train() { python3 -m peakflat_jax.cli train "$@"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 export PEAKFLAT_JAX_CACHE=/tmp/cache
 run base 150 train h200-1 train.steps=6 "${nc[@]}" --run-dir /tmp/r-base; keep /tmp/r-base base
+# Issue 24's last two checks, this round: another step count and rate from the cache (no new
+# compile), and the gradient program's compile at 8 and 32 layers (<= 1.3x).
+run base_steps 120 train h200-1 train.steps=9 optimizer.learning_rate=1e-4 "${nc[@]}" \
+  --run-dir /tmp/r-base; keep /tmp/r-base base_steps
+for layers in 8 32; do run compile_l$layers 200 python3 scripts/bench_compile.py h200-1 \
+  model.num_layers=$layers --out-dir "$LOGS"; done
 run on_bwd 240 train h200-1 train.steps=7 "${ON[@]}" operators.optimizer_writeback=backward \
   "${nc[@]}" --run-dir /tmp/r-bwd; keep /tmp/r-bwd on_bwd
 run on_fwd 240 train h200-1 train.steps=7 "${ON[@]}" "${nc[@]}" --run-dir /tmp/r-fwd
