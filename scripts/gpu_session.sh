@@ -23,6 +23,7 @@
 #   dump_on16k  the overlapped step's GPU buffer assignment at 16K (the plan is 1.33x there)
 #   off_256k / off_384k  the standard stack compiled (not run) past the plan's 319K: where XLA's
 #               plan crosses the device (the plan's largest context against the real one)
+#   e2e_*       issue 27: h200-e2e, the standard stack at 12K and ours (auto) at 32K, 3 steps
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -76,4 +77,11 @@ OFF=(operators.moe_dispatch=ep operators.loss=materialized operators.offload=non
 for n in 262144 393216; do
   run off_$n 150 python3 -m peakflat_jax.cli plan h200-1 data.seq_len=$n "${OFF[@]}" --check
 done
+# Issue 27's first look, if the lease has time left: h200-e2e (7.4B, V = 131,072), the standard
+# stack at 12K (its planned longest: 13.8K) and ours (auto: the ring loss) at 32K, 3 steps each.
+export PEAKFLAT_JAX_CACHE=/tmp/cache
+run e2e_off_12k 240 train h200-e2e data.seq_len=12288 train.steps=3 "${OFF[@]:0:4}" \
+  train.device_memory_gib=1000000 "${nc[@]}" --run-dir /tmp/r-e2e-off; keep /tmp/r-e2e-off e2e_off
+run e2e_auto_32k 240 train h200-e2e data.seq_len=32768 train.steps=3 "${nc[@]}" \
+  --run-dir /tmp/r-e2e-auto; keep /tmp/r-e2e-auto e2e_auto
 echo "=== all done $(date -Is)"
