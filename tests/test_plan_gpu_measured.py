@@ -159,8 +159,98 @@ def test_the_host_plan_bounds_the_resident_memory(run):
     runs (``plan.host_pool.RUNTIME_GPU``); the pool is modelled from XLA's allocator."""
     record, overrides = HOST[run]
     measured = json.loads(record.read_text())["runs"][run]["host_bytes"]
-    plan = make_plan(load_config("h200-1", overrides), 1, platform="gpu", baseline=False,
+    # These runs had XLA's own pinned-host pool (the default then).
+    plan = make_plan(load_config("h200-1", [*overrides, "device.pinned_host_pool=xla"]), 1,
+                     platform="gpu", baseline=False, search_context=False)
+    assert measured <= plan.host_bytes <= 1.2 * measured
+
+
+SESSION = RESULTS / "h200_1_session_gpu_20261201-162217.json"
+FINETUNED = pathlib.Path(__file__).resolve().parent / "data" / "hf_qwen3_moe_3b"
+"""The config.json of the random Qwen3-MoE checkpoint the GPU fine-tuned
+(scripts/make_hf_checkpoint.py; its weights are not needed to plan)."""
+
+
+def _session_checked(run: str, program: str) -> int:
+    """XLA's total for ``program`` in SESSION's ``plan --check`` log of ``run``."""
+    for line in json.loads(SESSION.read_text())["runs"][run]["log_tail"]:
+        fields = line.split()
+        if len(fields) > 2 and fields[1] == program and line.count("|") == 2:
+            return int(float(line.split("|")[1].split()[-1]) * 2**30)
+    raise AssertionError(f"{program} not in {run}'s log")
+
+
+def _session_peak(run: str) -> int:
+    return json.loads(SESSION.read_text())["runs"][run]["peak_device_bytes"]
+
+
+# h200-e2e as the planner resolved operators auto at 32K and 64K (the runs' banners).
+E2E_AUTO_32K = ["data.seq_len=32768", "operators.moe_dispatch=ep", "operators.loss=ring",
+                "operators.offload=none", "operators.optimizer_offload=false"]
+E2E_AUTO_64K = ["operators.moe_dispatch=pipelined", "operators.loss=ring", "operators.offload=all",
+                "operators.optimizer_offload=false", "operators.token_budget=21846"]
+FINETUNE = [f"model.from_pretrained={FINETUNED}", "data.tokenizer=bytes"]
+
+THIS_SESSION = {
+    # (config, overrides, the plan's program, the measured bytes)
+    "h200-1 all off, 256K, XLA's plan": pytest.param(
+        "h200-1", ALL_OFF + ["data.seq_len=262144"], "gradient",
+        lambda: _session_checked("plan_check_off_262144", "train_step"), marks=_over("1.38x")),
+    "h200-1 all off, 384K, XLA's plan": pytest.param(
+        "h200-1", ALL_OFF + ["data.seq_len=393216"], "gradient",
+        lambda: _session_checked("plan_check_off_393216", "train_step"), marks=_over("1.52x")),
+    "h200-1 all on, 64K, allocator peak": ("h200-1", ON_UNROLLED, "overlapped",
+                                           lambda: _session_peak("on_fwd")),
+    "h200-1 all on, write-back under the backward, allocator peak": pytest.param(
+        "h200-1", ON_UNROLLED + ["operators.optimizer_writeback=backward"], "overlapped",
+        lambda: _session_peak("on_bwd"), marks=_over("1.34x")),
+    "h200-1 streamed optimizer alone, allocator peak": pytest.param(
+        "h200-1", ["operators.optimizer_offload=true", "operators.optimizer_writeback=backward"],
+        "overlapped", lambda: _session_peak("opt_alone"), marks=_over("1.38x")),
+    "h200-e2e all off, 12K, allocator peak": ("h200-e2e", ALL_OFF + ["data.seq_len=12288"],
+                                              "gradient", lambda: _session_peak("e2e_off_12k")),
+    "h200-e2e all off, 16K, allocator peak": ("h200-e2e", ALL_OFF + ["data.seq_len=16384"],
+                                              "gradient", lambda: _session_peak("e2e_off_16k")),
+    "h200-e2e auto, 32K, allocator peak": ("h200-e2e", E2E_AUTO_32K, "gradient",
+                                           lambda: _session_peak("e2e_auto_32k")),
+    "h200-e2e auto, 64K, allocator peak": ("h200-e2e", E2E_AUTO_64K, "gradient",
+                                           lambda: _session_peak("e2e_auto_64k")),
+    "fine-tune of a 3.3B Qwen3-MoE, 64K, allocator peak": pytest.param(
+        "finetune-h200", FINETUNE, "gradient", lambda: _session_peak("finetune"),
+        marks=_over("1.204x")),
+}
+
+
+@pytest.mark.parametrize("config, overrides, program, measured", THIS_SESSION.values(),
+                         ids=THIS_SESSION.keys())
+def test_the_plan_bounds_what_the_gpu_measured_this_session(config, overrides, program,
+                                                            measured):
+    bound = make_plan(load_config(config, overrides), 1, platform="gpu", baseline=False,
+                      search_context=False).programs[program]
+    assert measured() <= bound <= 1.2 * measured()
+
+
+SESSION_HOST = {
+    # run -> (config, overrides): resident memory, with the pinned-host pool each run had
+    "host_cap": ("h200-1", ON_UNROLLED + ["device.pinned_host_pool=planned"]),
+    "on_fwd": ("h200-1", ON_UNROLLED + ["device.pinned_host_pool=xla"]),
+    "on_bwd": ("h200-1", ON_UNROLLED + ["operators.optimizer_writeback=backward",
+                                        "device.pinned_host_pool=xla"]),
+    "opt_alone": ("h200-1", ["operators.optimizer_offload=true",
+                             "operators.optimizer_writeback=backward",
+                             "device.pinned_host_pool=xla"]),
+    "e2e_off_12k": ("h200-e2e", ALL_OFF + ["data.seq_len=12288"]),
+    "e2e_auto_64k": ("h200-e2e", E2E_AUTO_64K),
+}
+
+
+@pytest.mark.parametrize("run", SESSION_HOST)
+def test_the_host_plan_bounds_the_resident_memory_this_session(run, monkeypatch):
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+    config, overrides = SESSION_HOST[run]
+    plan = make_plan(load_config(config, overrides), 1, platform="gpu", baseline=False,
                      search_context=False)
+    measured = json.loads(SESSION.read_text())["runs"][run]["host_bytes"]
     assert measured <= plan.host_bytes <= 1.2 * measured
 
 

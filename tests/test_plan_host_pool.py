@@ -62,7 +62,8 @@ def test_the_planned_cap_is_set_before_the_backend(environ):
     environ[host_pool.LIMIT_VARIABLE] = "50"
     assert host_pool.cap_from_plan(config) is None
     del environ[host_pool.LIMIT_VARIABLE]
-    assert host_pool.cap_from_plan(load_config("h200-1", ON)) is None
+    assert host_pool.cap_from_plan(load_config("h200-1", [*ON, "device.pinned_host_pool=xla"])) \
+        is None
     # The optimizer forced onto the device: only the boundaries are pinned.
     boundaries_only = host_pool.cap_from_plan(load_config(
         "h200-1", ["operators.optimizer_offload=false", "device.pinned_host_pool=planned"]))
@@ -86,8 +87,9 @@ def test_a_state_past_the_default_pool_does_not_fit_the_host(environ):
     """h200-1 at 16 layers: 5.9B parameters, 66 GiB of streamed state, past XLA's 64 GiB pool:
     the host does not fit with XLA's cap and does with the planned one (host memory 128 GiB)."""
     overrides = [*ON, "model.num_layers=16"]
-    default = make_plan(load_config("h200-1", overrides), 1, platform="gpu",
-                        host_memory=128 * GIB, baseline=False, search_context=False)
+    default = make_plan(load_config("h200-1", [*overrides, "device.pinned_host_pool=xla"]), 1,
+                        platform="gpu", host_memory=128 * GIB, baseline=False,
+                        search_context=False)
     planned = make_plan(load_config("h200-1", [*overrides, "device.pinned_host_pool=planned"]),
                         1, platform="gpu", host_memory=128 * GIB, baseline=False,
                         search_context=False)
