@@ -378,6 +378,11 @@ class TrainConfig:
     """Write checkpoints in the background where orbax can."""
     progress: bool = True
     """Show a progress bar on a terminal."""
+    profile_steps: int = 0
+    """Trace this many steps after the first (which compiles) with ``jax.profiler`` into the
+    run directory's ``profile/`` (TensorBoard's or xprof's trace viewer reads it) and write
+    ``profile.json``: each device's streams' busy time and how much of the host copies ran
+    under compute (``peakflat_jax.train.profile``); 0: none."""
     device_memory_gib: float | None = None
     """The device's memory for the fit check (GiB); None: read from the device."""
 
@@ -577,7 +582,8 @@ def check_config(config: Config) -> Config:
                    ("optimizer.warmup_steps", opt.warmup_steps),
                    ("optimizer.weight_decay", opt.weight_decay),
                    ("optimizer.learning_rate", opt.learning_rate),
-                   ("train.checkpoint_every", t.checkpoint_every)]
+                   ("train.checkpoint_every", t.checkpoint_every),
+                   ("train.profile_steps", t.profile_steps)]
     for key, value in nonnegative:
         if not value >= 0:  # NaN too
             raise ConfigError(f"{key}: expected a non-negative number, got {value}")

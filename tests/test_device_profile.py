@@ -33,6 +33,23 @@ def test_summary_takes_the_union_per_stream_and_ranks_ops_per_device():
                       "kernel_families_ms": {"gemm": 6e-6}}
 
 
+def test_host_copies_under_compute_are_the_intersection_of_their_unions():
+    # One step on gpu:0: compute 0-10 and 20-30 (two streams overlapping at 5-10 count once),
+    # a device-to-host copy 8-24 and a host-to-device one 40-50; gpu:1 copies alone.
+    events = [("gpu:0", "compute", "gemm", "gemm_1", 0, 10),
+              ("gpu:0", "compute 2", "add", "add", 5, 5),
+              ("gpu:0", "compute", "gemm", "gemm_2", 20, 10),
+              ("gpu:0", "copies", "copy-start", "MemcpyD2H", 8, 16),
+              ("gpu:0", "copies", "copy-start", "MemcpyH2D", 40, 10),
+              ("gpu:0", "compute", "copy", "MemcpyD2D", 60, 5),  # on the device: compute
+              ("gpu:1", "copies", "copy-start", "MemcpyHtoD", 0, 7)]
+    result = device_profile.host_copy_overlap(events, steps=1)
+    # Copies 8-24 and 40-50 (26 ns); compute 0-10, 20-30, 60-65 (25 ns); both at 8-10, 20-24.
+    assert result["gpu:0"] == {"host_copy_ms": 26e-6, "compute_ms": 25e-6,
+                               "overlapped_ms": pytest.approx(6e-6)}
+    assert result["gpu:1"] == {"host_copy_ms": 7e-6, "compute_ms": 0.0, "overlapped_ms": 0.0}
+
+
 def test_profile_call_reads_its_own_trace():
     """On CPU, XLA's thunks show on the host plane under their HLO names (the GPU planes are
     read by the same code)."""

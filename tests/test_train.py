@@ -95,7 +95,8 @@ def assert_startup_accounted(summary: dict, phases: list[str], lived: float) -> 
 @pytest.mark.slow
 def test_loss_falls_on_the_corpus(tmp_path):
     started = time.perf_counter()
-    summary = Trainer(small_config("train.steps=12", "optimizer.learning_rate=1e-2"),
+    summary = Trainer(small_config("train.steps=12", "optimizer.learning_rate=1e-2",
+                                   "train.profile_steps=2"),
                       run_dir=str(tmp_path)).run(progress=False)
     lived = time.perf_counter() - started
     losses = summary["losses"]
@@ -110,6 +111,11 @@ def test_loss_falls_on_the_corpus(tmp_path):
     assert summary["startup_seconds"]["first step"] >= record["step_seconds"]
     assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "summary.json").exists()
     assert any(p.name.startswith("events") for p in (tmp_path / "tensorboard").iterdir())
+    # Steps 2 and 3 traced (train.profile_steps): the trace kept, its summary beside it (a CPU's
+    # trace has no device planes to reduce).
+    assert list((tmp_path / "profile").glob("**/*.xplane.pb"))
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    assert profile["steps"] == 2 and "no device planes" in profile["error"]
 
 
 def leaves_of(trainer_state):
@@ -306,6 +312,7 @@ def test_a_config_that_does_not_fit_is_refused_before_compiling(tmp_path):
     (["model.num_heads=6"], "model.num_heads"),  # not a multiple of num_kv_heads = 4
     (["train.steps=0"], "train.steps"),
     (["operators.offload=9"], "operators.offload"),
+    (["train.profile_steps=-1"], "train.profile_steps"),
 ])
 def test_bad_config_names_its_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -113,6 +113,30 @@ def summarize_events(events: Iterable[tuple[str, str, str, str, float, float]], 
     return summary
 
 
+HOST_COPY = re.compile(r"memcpy.?(h2d|d2h|htod|dtoh)", re.IGNORECASE)
+"""An event that moves bytes between host and device memory (CUPTI names them MemcpyH2D and
+MemcpyD2H)."""
+
+
+def host_copy_overlap(events: Iterable[tuple[str, str, str, str, float, float]], *,
+                      steps: int) -> dict:
+    """Per plane (device), milliseconds per call: ``host_copy_ms``, the union of the host copies
+    (``HOST_COPY``, on any stream); ``compute_ms``, the union of every other event; and
+    ``overlapped_ms``, the time both ran at once. A copy the step waits for is exposed:
+    ``host_copy_ms - overlapped_ms`` of it at most."""
+    copies, compute = collections.defaultdict(list), collections.defaultdict(list)
+    for plane, _, _, kernel, start, duration in events:
+        (copies if HOST_COPY.search(kernel) else compute)[plane].append((start, start + duration))
+    result = {}
+    for plane in sorted(set(copies) | set(compute)):
+        copy_ns, compute_ns = _union_ns(copies[plane]), _union_ns(compute[plane])
+        both = copy_ns + compute_ns - _union_ns(copies[plane] + compute[plane])
+        result[plane] = {"host_copy_ms": copy_ns / 1e6 / steps,
+                         "compute_ms": compute_ns / 1e6 / steps,
+                         "overlapped_ms": both / 1e6 / steps}
+    return result
+
+
 def _union_ns(intervals: list[tuple[float, float]]) -> float:
     """Total length of the union of ``[start, end)`` intervals."""
     total, reach = 0.0, float("-inf")

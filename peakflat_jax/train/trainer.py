@@ -63,6 +63,7 @@ from peakflat_jax.train.optimizer import (
     make_offloaded,
     with_hyperparams,
 )
+from peakflat_jax.train.profile import StepProfiler
 
 _PROGRAMS: dict[tuple, object] = {}
 """The compiled step programs of this process, by what each depends on (``_program_key``)."""
@@ -500,6 +501,8 @@ class Trainer:
         history = []
         compiled = False
         stop = interrupts.StopRequests()
+        profiler = StepProfiler(self.run_dir, first=state.step + 1,
+                                count=config.train.profile_steps)
         wait_for_every_process("peakflat-started")  # before the first collective
         try:
             with stop:
@@ -526,10 +529,13 @@ class Trainer:
                                   f"skipped")
                         state = dataclasses.replace(state, step=state.step + 1)
                         continue
+                    profiler.before(state.step + 1)
                     started = time.perf_counter()
                     state, metrics = self.step(state, batch)
                     loss = float(metrics["loss"])  # waits for the step
                     seconds = time.perf_counter() - started
+                    if line := profiler.after(state.step):
+                        bar.write(line)
                     if not history:
                         self.timeline.mark("first step")
                         bar.write(self.timeline.line())
@@ -560,6 +566,8 @@ class Trainer:
                     checkpoints.save(state, self.batches, self.optimizer)
                     saved_step = state.step
         finally:
+            if line := profiler.close(state.step):
+                bar.write(line)
             checkpoints.close()  # waits for the writes in flight
             writer.close()
             bar.close()
