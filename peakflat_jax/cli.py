@@ -19,7 +19,9 @@ CONFIG is a YAML file or the name of a preset in configs/ (tiny, h200-1, ...). O
 flags come in any order. Bad input (an unknown key or flag, an ill-typed value, a missing file) is
 one line on stderr naming what is wrong and what was expected, exit status 2, before anything is
 compiled. An interrupted run (SIGINT, SIGTERM) saves a checkpoint, says how to resume it and exits
-130 or 143.
+130 or 143. A run out of device memory (the planner's check lifted, or its bound short) is one
+line naming the program, the size XLA asked for and the plans, exit status 1; its summary.json
+says that it failed and why.
 """
 
 from __future__ import annotations
@@ -156,10 +158,18 @@ def _bench(args: argparse.Namespace) -> int:
     return 0 if all("error" not in c or c.get("oom") for c in record["cases"]) else 1
 
 
+def plan_command(config: str, overrides: list[str]) -> str:
+    """``peakflat plan`` of the config and overrides of a ``peakflat train``, without
+    ``train.device_memory_gib``: the plan held to the config's device."""
+    kept = [word for word in overrides if not word.startswith("train.device_memory_gib=")]
+    return shlex.join(["peakflat", "plan", config, *kept])
+
+
 def _train(args: argparse.Namespace) -> int:
     """Exit status 0 when the run finished (or was finished already), 2 for bad input (the
-    config, the mesh, the run directory, a step the planner finds too large), 128 + the
-    signal's number when it was interrupted."""
+    config, the mesh, the run directory, a step the planner finds too large), 1 when it ran out
+    of device memory (one line: where, the plans and what to do), 128 + the signal's number
+    when it was interrupted."""
     from peakflat_jax.config import ConfigError, load_config
 
     if args.resume and args.overwrite:
@@ -175,6 +185,7 @@ def _train(args: argparse.Namespace) -> int:
     from peakflat_jax import mesh
     from peakflat_jax.plan import DoesNotFit, PlanError
     from peakflat_jax.train.interrupts import Interrupted
+    from peakflat_jax.train.oom import OutOfMemory
     from peakflat_jax.train.startup import Timeline
     from peakflat_jax.train.trainer import train
 
@@ -200,6 +211,13 @@ def _train(args: argparse.Namespace) -> int:
                   else "")
         print(f"peakflat train: {stop}{'; ' if resume else ''}{resume}", file=sys.stderr)
         return stop.exit_status
+    except OutOfMemory as failure:  # a run that failed, not bad input: status 1
+        lifted = ("drop train.device_memory_gib to have the planner hold the run to the "
+                  "device, or " if config.train.device_memory_gib else "")
+        plan = plan_command(args.config, args.overrides)
+        print(f"peakflat train: {failure}; {lifted}see `{plan}` for the terms and what to "
+              f"change", file=sys.stderr)
+        return 1
     return 0
 
 

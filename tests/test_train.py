@@ -268,6 +268,55 @@ def test_sigterm_and_sigint_stop_after_the_step_with_a_checkpoint_and_how_to_res
     assert 99.0 not in [r["loss"] for r in records]
 
 
+OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 37.46GiB with "
+                 "allocator GPU_0_bfc on device 0. [tf-allocator-allocation-error=''] "
+                 "[executable_name='jit_train_step']")
+"""What jax 0.11.2 raised on an H200 (``peakflat train h200-e2e train.device_memory_gib=1000000``)
+when the step's result was fetched."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failing_step", [1, 2], ids=["compile", "second step"])
+def test_out_of_device_memory_is_one_line_status_1_and_a_failed_summary(
+        tmp_path, monkeypatch, capsys, failing_step):
+    """XLA out of device memory, the planner's check lifted by train.device_memory_gib, as the
+    first step compiles or in the second step: exit status 1 and one line, the last, naming the
+    program, the size XLA asked for, the step, the plans and the `peakflat plan` without the
+    lift; no traceback. The run directory holds the steps done (metrics.jsonl) and a
+    summary.json that says the run failed and why, and no checkpoint: nothing looks finished.
+    (SMALL's programs: compiled by the runs above in this file's worker.)"""
+    from peakflat_jax import cli
+    from peakflat_jax.train import checkpoint as ckpt
+
+    def out_of_memory(*_):
+        raise jax.errors.JaxRuntimeError(OUT_OF_MEMORY)
+
+    if failing_step == 1:
+        monkeypatch.setattr(Trainer, "compile", out_of_memory)
+    else:
+        step = Trainer.step
+        monkeypatch.setattr(Trainer, "step", lambda self, state, batch: (
+            out_of_memory() if state.step + 1 == failing_step else step(self, state, batch)))
+    run_dir = tmp_path / "run"
+    status = cli.main(["train", "tiny", *SMALL, "train.device_memory_gib=1000000",
+                       "--no-progress", "--run-dir", str(run_dir)])
+    out, err = capsys.readouterr()
+    assert status == 1 and "Traceback" not in out + err, err[-3000:]
+    last = err.splitlines()[-1]
+    assert [line for line in err.splitlines() if "out of device memory" in line] == [last]
+    assert last.startswith("peakflat train: out of device memory in jit_train_step (XLA tried "
+                           f"to allocate 37.46 GiB on device 0) at step {failing_step} of 4; ")
+    assert ("XLA's plan " in last) == (failing_step > 1), last  # known once compiled
+    assert "the planner's " in last and "train.device_memory_gib=1000000" in last, last
+    plan = shlex.split(last.split("see `")[1].split("`")[0])
+    assert plan == ["peakflat", "plan", "tiny", *SMALL], last
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert last.split("peakflat train: ")[1].startswith(summary["failed"])
+    assert (summary["steps"], summary["total_steps"]) == (failing_step - 1, 4)
+    assert "final_loss" not in summary and ckpt.latest_step(run_dir / "checkpoints") is None
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, failing_step))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))

@@ -53,7 +53,7 @@ from peakflat_jax.plan import DoesNotFit, check_plan, offload_flags
 from peakflat_jax.plan.host_pool import LIMIT_VARIABLE
 from peakflat_jax.train import checkpoint as ckpt
 from peakflat_jax.train import data as data_pipeline
-from peakflat_jax.train import interrupts, startup
+from peakflat_jax.train import interrupts, oom, startup
 from peakflat_jax.train import metrics as report
 from peakflat_jax.train import run_dir as run_dirs
 from peakflat_jax.train.optimizer import (
@@ -462,7 +462,46 @@ class Trainer:
         (``run_dir.check_run_dir``: a fresh run needs it empty unless ``overwrite``, which
         clears it; ``resume`` needs a checkpoint); a resumed run that is at its last step
         already is left as it is. SIGINT or SIGTERM stops the run after the step in flight,
-        saves a checkpoint (where ``train.checkpoints``) and raises ``Interrupted``."""
+        saves a checkpoint (where ``train.checkpoints``) and raises ``Interrupted``. Out of
+        device memory (``oom``), it writes a summary.json that says so and raises
+        ``OutOfMemory``."""
+        self.steps_done = None  # the steps completed, once the state is made
+        try:
+            return self._run(resume=resume, overwrite=overwrite, progress=progress,
+                             stop_after=stop_after)
+        except jax.errors.JaxRuntimeError as error:
+            what = oom.describe(error)
+            if what is None:
+                raise
+            raise oom.OutOfMemory(self._record_failure(what)) from None
+
+    def _record_failure(self, what: str) -> str:
+        """The line of a run out of memory (``what``: ``oom.describe``'s) with its step and the
+        plans, also written as summary.json's ``failed``: the steps done are in metrics.jsonl,
+        the summary says that the run did not finish, and why."""
+        done, xla, limit = self.steps_done, self.xla_plan, report.device_memory_bytes()
+        configured, planned = self.config.train.device_memory_gib, self.plan.device_memory
+        at = "making the state" if done is None else f"at step {done + 1} of {self.total_steps}"
+        plans = f"the planner's {self.plan.total_bytes / 2**30:.2f} GiB"
+        if xla:  # known once the step compiled
+            plans = f"XLA's plan {xla.total / 2**30:.2f} GiB per device and {plans}"
+        if configured:
+            against = f"train.device_memory_gib={configured:.15g}" + (
+                f" instead of the device's {limit / 2**30:.2f} GiB" if limit else "")
+        else:
+            against = f"{planned / 2**30:.2f} GiB per device" if planned else "the device"
+        line = f"{what} {at}; {plans}, checked against {against}"
+        if jax.process_index() == 0:
+            summary = {"config": self.config.name, "failed": line, "steps": done,
+                       "total_steps": self.total_steps, "xla_plan_bytes": xla and xla.total,
+                       "planned_bytes": self.plan.total_bytes, "device_limit_bytes": limit,
+                       **self.timeline.summary_fields()}
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return f"{line}; {self.run_dir / 'summary.json'} records the failure"
+
+    def _run(self, *, resume: bool, overwrite: bool, progress: bool | None,
+             stop_after: int | None) -> dict:
         config = self.config
         last_step = self.total_steps if stop_after is None else min(stop_after,
                                                                     self.total_steps)
@@ -509,6 +548,7 @@ class Trainer:
                 # Asked before a step's batch is drawn: a checkpoint's data position is then
                 # always that of its step.
                 while state.step < last_step and not stop.requested():
+                    self.steps_done = state.step
                     local = next(self.batches)
                     batch = self.global_batch(local)
                     valid = int(jnp.sum(batch["targets"] != IGNORE))
