@@ -15,9 +15,10 @@
 #   prof_on / prof_opt   issue 26: all four on (unrolled) and the streamed optimizer alone with
 #               train.profile_steps=2: profile.json says how much of the host copies ran under
 #               compute (the step is 2.87 / 2.81 s against 1.60: is the link idle or serial?)
-#   dump_*      issue 25: XLA's GPU buffer assignment with the scheduled HLO (to sweep the live
-#               set at the peak offline): the overlapped step at 16K (plan 1.33x), all off at 256K
-#               (plan 1.38x: the dense FFN's fp32 term is 3x what XLA keeps)
+#   dump_*      issue 25: XLA's GPU live ranges (its own sweep names the buffers live at the
+#               peak, by op_name: *-live-range.txt) and buffer assignment: the overlapped step at
+#               64K (a lower dense-FFN term took the plan under it) and all off at 256K (plan
+#               1.38x: the dense FFN's fp32 term is 3x what XLA keeps)
 #   e2e_*       issue 27: h200-e2e's standard stack at 20K and 22K (its longest: 20K fits, 24K
 #               does not) and ours at 128K and 256K (auto), 3 steps each
 set -uo pipefail
@@ -58,16 +59,19 @@ run prof_opt 240 "${train[@]}" h200-1 train.steps=5 operators.optimizer_offload=
   train.profile_steps=2 "${nc[@]}" --run-dir /tmp/r-opt; keep /tmp/r-opt prof_opt
 cp /tmp/r-opt/profile.json "$LOGS/prof_opt_profile.json"
 unset PEAKFLAT_JAX_CACHE
-dump() {  # dump NAME MODULE_RE OVERRIDES...: plan --check with XLA's GPU dumps kept (buffer
-  # assignment, memory report, the scheduled HLO), compressed
+dump() {  # dump NAME MODULE_RE OVERRIDES...: plan --check with XLA's GPU dumps kept: the live
+  # ranges (XLA's own sweep: the buffers live at the peak, by op_name), the buffer assignment and
+  # the memory report, compressed
   local name=$1 module=$2; shift 2; rm -rf "/tmp/dump-$name"
   XLA_FLAGS="--xla_dump_to=/tmp/dump-$name --xla_dump_hlo_as_text --xla_dump_hlo_module_re=$module" \
     run "dump_$name" 200 python3 -m peakflat_jax.cli plan h200-1 "$@" --check
-  mkdir -p "/tmp/pick-$name" && for f in $(ls /tmp/dump-$name/*after_optimizations*.txt); do
-    cp "$f" "/tmp/pick-$name/"; done
+  mkdir -p "/tmp/pick-$name" && for f in /tmp/dump-$name/*after_optimizations-live-range.txt \
+      /tmp/dump-$name/*after_optimizations-memory-usage-report.txt; do cp "$f" "/tmp/pick-$name/"; done
+  for f in /tmp/dump-$name/*after_optimizations-buffer-assignment.txt; do
+    head -c 20000000 "$f" > "/tmp/pick-$name/$(basename "$f")"; done
   tar -czf "$LOGS/dump-$name.tgz" -C /tmp "pick-$name"
 }
-dump on16k overlapped data.seq_len=16384 "${ON[@]}"
+dump on64k overlapped "${ON[@]}"
 dump off256k train_step data.seq_len=262144 "${ALL_OFF[@]}" train.device_memory_gib=1000 \
   --device-memory 1000
 export PEAKFLAT_JAX_CACHE=/tmp/cache
