@@ -412,7 +412,7 @@ class DeviceConfig:
     pinned bytes (10% and 2 GiB of margin) before the backend starts, where it is unset
     (``plan.host_pool``); ``xla``, XLA's own (64 GiB unless that variable is set). Planned by
     default: h200-1 with all four operators on was resident at 47.96 GiB with it against 72.02
-    with XLA's pool, at the same step time (scripts/results/h200_1_session_gpu_20261201-162217.json)."""
+    with XLA's pool, at the same step time (h200_1_session_gpu_20261201-162217.json)."""
 
 
 @dataclasses.dataclass(frozen=True)
