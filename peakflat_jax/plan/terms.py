@@ -16,6 +16,7 @@ from peakflat_jax import mesh as mop
 from peakflat_jax.config import Config, ConfigError
 from peakflat_jax.ops import ring_cross_entropy as ring_module
 from peakflat_jax.ops import sco as sco_module
+from peakflat_jax.optim import host_cpu_adamw as host_cpu_module
 from peakflat_jax.optim import offload_adamw as offload_module
 from peakflat_jax.optim import on_device_adamw as device_adamw_module
 
@@ -26,6 +27,8 @@ MEMORY_FORMULAS: dict[str, str] = {
     "params": "P * b: this device's weight shards (FSDP dense, EP experts, vocab-split "
               "embedding and head; a leaf W divides nowhere is whole)",
     "grads": "P * b: their gradients, placed alike",
+    "optimizer_update_host_cpu": "0: the update runs on the host CPU (optimizer.update_on: "
+                                 "host_cpu), its state and transit are host terms",
     "router_bias": "2 * L_m * E * 4: the router's balancing bias (fp32, replicated), in and out",
     "batch": "4 * N * 4: tokens, targets, positions, segment ids (int32)",
     "gathered_weights": "2 * D_l * b: the layer's dense weights all-gathered whole, and their "
@@ -266,8 +269,10 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
         for key, value in values.items():
             add(f"{prefix}{key}", value, live, formulas[key])
 
-    # Persistent state.
-    if knobs.optimizer_offload:
+    # Persistent state. On the host CPU (ZeRO-Offload's placement) the device keeps what the
+    # streamed optimizer leaves it: the weights and their gradients, no fp32 state.
+    host_cpu = config.optimizer.update_on == "host_cpu" and not knobs.optimizer_offload
+    if knobs.optimizer_offload or host_cpu:
         add("params", weights.params, "persistent")
         add("grads", weights.params, "persistent")
     else:
@@ -355,6 +360,11 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
                 "on CPU, where XLA updates in place")
         if knobs.optimizer_overlap:
             add("overlap.moe_layer_weights", 2 * num_moe * weights.layer_shard["moe"], "overlap")
+    elif host_cpu:
+        add("optimizer_update", 0, "update", MEMORY_FORMULAS["optimizer_update_host_cpu"])
+        host = host_cpu_module.host_cpu_adamw_host_terms(
+            weights.param_count, model.dtype, clipped=config.optimizer.max_grad_norm is not None)
+        add_all("host.", host, "host", host_cpu_module.MEMORY_FORMULAS)
     elif platform == "gpu":
         # XLA:GPU fuses AdamW into elementwise loops over the donated state: h200-1's whole
         # train step at 16K tokens held 8.85 GiB of temporaries in all, where one fp32 copy of

@@ -1,13 +1,17 @@
 """The run's optimizer: AdamW with warm-up, cosine decay and global-norm clipping, its state in
-host memory (``pf.offload_stream``) or on the device (``optax.adamw``, sharded like the
-params). The schedule runs on the host: each step's rate (and the other hyperparameters) go
-into the state before the step, so the compiled step does not depend on them.
+host memory streamed through the device (``pf.offload_stream``), on the device (``optax.adamw``,
+sharded like the params, ``DeviceAdamW``), or in host memory updated by the host CPU
+(``HostCpuAdamW``, ZeRO-Offload's placement: ``optimizer.update_on: host_cpu``). The schedule
+runs on the host: each step's rate (and the other hyperparameters) go into the state before the
+step, so the compiled step does not depend on them.
 
-Both keep an fp32 master copy of every weight and give the model its working dtype: the
-offloaded one in host memory by design, the device one on the device when the working dtype
-is narrower than fp32 (mixed precision's usual 16 bytes per parameter: bf16 weight and gradient,
-fp32 master and two moments). So switching the operator changes where the state lives, never
-the update: both apply optax.adamw's arithmetic to the fp32 master.
+All keep an fp32 master copy of every weight and give the model its working dtype: the
+offloaded and host-CPU ones in host memory by design, the device one on the device when the
+working dtype is narrower than fp32 (mixed precision's usual 16 bytes per parameter: bf16
+weight and gradient, fp32 master and two moments). So switching the placement changes where
+the state lives and which processor updates it, never the update: each applies optax.adamw's
+arithmetic to the fp32 master (``DeviceAdamW.update_master``, shared by the device and the
+host-CPU placements).
 """
 
 from __future__ import annotations
@@ -62,8 +66,8 @@ def hyperparams_at(config: OptimizerConfig, schedule: optax.Schedule, step: int)
 
 
 def with_hyperparams(opt_state, values: dict):
-    """``opt_state`` (a DeviceAdamW's or an OffloadStreamState) with its injected
-    hyperparameters set to ``values``, each placed where the old value was."""
+    """``opt_state`` (a DeviceAdamW's, a HostCpuAdamW's or an OffloadStreamState) with its
+    injected hyperparameters set to ``values``, each placed where the old value was."""
     def replace(path, leaf):
         # Dict entries are DictKeys (.key), the state's fields GetAttrKeys (.name).
         keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
@@ -102,13 +106,111 @@ class DeviceAdamW:
     def update(self, grads, params, state):
         master, optax_state = state
         target = params if master is None else master
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        updates, optax_state = self.transformation.update(grads, optax_state, target)
-        target = optax.apply_updates(target, updates)
+        target, optax_state = self.update_master(grads, target, optax_state)
         if master is None:
             return target, (None, optax_state)
         working = jax.tree.map(lambda m, p: m.astype(p.dtype), target, params)
         return working, (target, optax_state)
+
+    def update_master(self, grads, master, optax_state):
+        """(new fp32 master, new optax state): the gradients upcast to fp32, clipped, AdamW's
+        update applied to ``master``: the arithmetic of every placement."""
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        updates, optax_state = self.transformation.update(grads, optax_state, master)
+        return optax.apply_updates(master, updates), optax_state
+
+
+class HostCpuAdamW:
+    """``DeviceAdamW``'s update on the host CPU, its state in host memory: ZeRO-Offload's
+    placement (DeepSpeed's CPU Adam), the standard stack's optimizer where the device cannot
+    hold the state (``optimizer.update_on: host_cpu``).
+
+    The state, ``(fp32 master, optax state)``, lives on the host's CPU device (jax's CPU
+    backend; one device: the update of the whole model is one program there, and XLA:CPU
+    spreads its loops over the host's cores). Each ``step(grads, state)``: the gradients go
+    device -> host (P * b bytes, b the working dtype's), the host runs
+    ``DeviceAdamW.update_master`` (the same clip and AdamW, the hyperparameters injected:
+    ``with_hyperparams``) in a program compiled for the CPU with the state donated, and the new
+    working params go host -> device (P * b bytes) to where the gradients came from, which is
+    where the params were (the gradient program places them alike). Nothing of the optimizer is
+    on the device; the host holds 12 bytes a parameter of state and the step's transit
+    (``peakflat_jax.optim.host_cpu_adamw``'s terms).
+
+    Why a program of its own on the CPU backend rather than ``compute_on("device_host")`` inside
+    the step: that is the baseline as ZeRO-Offload runs it (gradients down, a CPU optimizer,
+    weights up), and XLA:CPU compiles it the way it compiles any CPU program. One process only:
+    its state is one process's host arrays (``config.check_config`` refuses more)."""
+
+    def __init__(self, config: OptimizerConfig):
+        self.adamw = DeviceAdamW(config)
+        self.host = jax.local_devices(backend="cpu")[0]
+        self.host_sharding = jax.sharding.SingleDeviceSharding(self.host)
+        # The gradients (host copies, made for the update) and the state are donated: the new
+        # state overwrites the old in place and the working params may reuse the gradients'.
+        self._update = jax.jit(self._host_update, donate_argnums=(0, 1))
+        self._executables: dict = {}
+
+    def init(self, params):
+        """(fp32 master, optax state) of ``params``, on the host CPU device: the params come
+        down once."""
+        host_params = jax.device_put(params, self.host_sharding)
+        return jax.jit(self._host_init, out_shardings=self.host_sharding)(host_params)
+
+    def abstract_state(self, params):
+        """ShapeDtypeStructs of ``init(params)``'s state, placed on the host CPU device:
+        what a resume restores into."""
+        shapes = jax.eval_shape(self._host_init, params)
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                           sharding=self.host_sharding), shapes)
+
+    def step(self, grads, state):
+        """(new working params on the device, placed as ``grads``; the new host state).
+        ``state`` is consumed."""
+        shardings = jax.tree.map(lambda g: g.sharding, grads)
+        # A copy always (where the gradients are on the host device already, too): it is
+        # donated to the update, and the caller's arrays stay theirs.
+        host_grads = jax.device_put(grads, self.host_sharding, may_alias=False)
+        working, state = self._executable(host_grads, state)(host_grads, state)
+        return jax.device_put(working, shardings), state
+
+    def lower(self, params, state):
+        """The host update lowered for gradients shaped like ``params`` (on the host CPU) and
+        ``state``: ``.compile()`` it to read XLA's plan (tests, ``--check``)."""
+        return self._update.lower(self._host_grads_like(params), state)
+
+    def compile(self, params, state) -> bool:
+        """Compiles the host update for ``params``' shapes ahead of the first step; False where
+        this object had compiled it already."""
+        grads = self._host_grads_like(params)
+        compiled = self._key(grads, state) not in self._executables
+        self._executable(grads, state)
+        return compiled
+
+    def _executable(self, grads, state):
+        key = self._key(grads, state)
+        if key not in self._executables:
+            self._executables[key] = self._update.lower(grads, state).compile()
+        return self._executables[key]
+
+    @staticmethod
+    def _key(grads, state) -> tuple:
+        return (jax.tree.structure((grads, state)),
+                tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(grads)))
+
+    def _host_grads_like(self, params):
+        return jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype,
+                                                           sharding=self.host_sharding), params)
+
+    def _host_init(self, params):
+        master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+        return master, self.adamw.transformation.init(master)
+
+    def _host_update(self, grads, state):
+        master, optax_state = state
+        master, optax_state = self.adamw.update_master(grads, master, optax_state)
+        # The working dtype is the gradients' (a parameter's cotangent has its dtype).
+        working = jax.tree.map(lambda m, g: m.astype(g.dtype), master, grads)
+        return working, (master, optax_state)
 
 
 def make_offloaded(config: OptimizerConfig):
