@@ -313,8 +313,8 @@ def test_host_terms_are_the_host_updates_plan(compiled_programs):
     """With the update on the host CPU the plan's host terms of the optimizer (12 P of fp32
     state and the step's transit, per device) add up, over the 8 devices whose shards the one
     host program updates, to XLA:CPU's plan of that program (arguments + temporaries + the
-    outputs it does not alias), within its bookkeeping and scalars; and the device keeps no
-    term of the optimizer."""
+    outputs it does not alias; its temporaries one leaf's clipped fp32 gradient, the largest),
+    within its bookkeeping and scalars; and the device keeps no term of the optimizer."""
     config = small(*VARIANTS["host_cpu"])
     xla = compiled_programs("host_cpu")["host_update"]
     terms = by_name(pl.plan_terms(config, knobs_of(config), platform="cpu"))
@@ -323,6 +323,8 @@ def test_host_terms_are_the_host_updates_plan(compiled_programs):
                                                                          8).param_count
     print(f"host update: XLA {xla.total:,} bytes, 8 x the terms {8 * host:,}")
     assert 0 <= xla.total - 8 * host <= 4 * BOOKKEEPING_BYTES
+    largest = pl.model_weights(config.model, 8).largest_leaf
+    assert 0 <= xla.temp - 4 * largest <= BOOKKEEPING_BYTES
     assert terms["optimizer_update"].bytes == 0
     assert not any(t.name.startswith("optimizer_step.") for t in terms.values())
 
@@ -430,6 +432,14 @@ def test_default_rates_are_their_records():
     llep = case("moe_dispatch_gpu_20261130-090350.json", method="llep")
     chunks = math.ceil(pipelined["tokens"] / pipelined["token_budget"])
     assert rates.moe_chunk_seconds == (pipelined["time_s"] - llep["time_s"]) / (chunks - 1)
+    # The host-CPU AdamW's rate: measured on the 2-core dev CPU, not a GPU host (its label).
+    from peakflat_jax.plan.rates import HOST_ADAMW_RECORD
+
+    host = json.loads((RESULTS / HOST_ADAMW_RECORD).read_text())
+    assert "dev CPU" in host["machine"] and "not the GPU host" in host["machine"]
+    assert rates.host_adamw_seconds_per_param == host["seconds_per_param"]
+    assert host["seconds_per_param"] == case(HOST_ADAMW_RECORD, **host["rate_from"])[
+        "median_s"] / host["rate_from"]["num_params"]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -106,8 +106,8 @@ def test_one_compiled_step_serves_any_schedule(rng):
 
 
 def run_steps(optimizer, params, grads, *, device: bool):
-    """(params, master) after each of ``grads``' steps with the run's schedule, from
-    ``DeviceAdamW`` (jitted) or ``HostCpuAdamW``."""
+    """(params, master, optax state) after each of ``grads``' steps with the run's schedule,
+    from ``DeviceAdamW`` (jitted) or ``HostCpuAdamW``."""
     schedule = learning_rate_schedule(CONFIG, STEPS)
     state = optimizer.init(params)
     step = jax.jit(optimizer.update) if device else None
@@ -116,27 +116,33 @@ def run_steps(optimizer, params, grads, *, device: bool):
         state = with_hyperparams(state, hyperparams_at(CONFIG, schedule, t))
         params, state = step(g, params, state) if device else optimizer.step(g, state)
         # Read now: the host update donates its state.
-        history.append(jax.device_get((params, params if state[0] is None else state[0])))
+        history.append(jax.device_get((params, params if state[0] is None else state[0],
+                                       state[1])))
     return history
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 def test_host_cpu_update_is_the_device_update(rng, dtype):
     """optimizer.update_on: host_cpu against the device's AdamW, the same gradients, clipping
-    and schedule: the working params and the fp32 master bit for bit after every step (one
-    device here: the same arithmetic, each in one program); the state on the host CPU
-    device, the working params back where the gradients were."""
+    and schedule, on one device: after every step the optax state (moments, counts,
+    hyperparameters) bit for bit, the fp32 master to 1e-6 (an ulp or two apart: the two
+    programs' bias-corrected steps compile apart), the working params the master cast; the
+    state on the host CPU device."""
     params, grads = draw(rng)
     params = jax.tree.map(lambda p: p.astype(dtype), params)
     grads = [jax.tree.map(lambda g: g.astype(dtype), g) for g in grads]
     on_device = run_steps(DeviceAdamW(CONFIG), params, grads, device=True)
     host = HostCpuAdamW(CONFIG)
     on_host = run_steps(host, params, grads, device=False)
-    for (device_params, device_master), (host_params, host_master) in zip(on_device, on_host):
-        chex.assert_trees_all_equal(host_params, device_params)
-        chex.assert_trees_all_equal(host_master, device_master)
-        assert all(p.dtype == dtype for p in jax.tree.leaves(host_params))
-        assert all(m.dtype == jnp.float32 for m in jax.tree.leaves(host_master))
+    for t, ((_, device_master, device_state), (host_params, host_master, host_state)) in (
+            enumerate(zip(on_device, on_host), start=1)):
+        chex.assert_trees_all_equal(host_state, device_state)
+        for name in device_master:
+            assert relative_error(host_master[name], device_master[name]) <= 1e-6, (t, name)
+            assert host_master[name].dtype == np.float32
+            np.testing.assert_array_equal(host_params[name],
+                                          host_master[name].astype(host_params[name].dtype))
+            assert host_params[name].dtype == dtype
     state = host.init(params)
     assert {leaf.sharding for leaf in jax.tree.leaves(state)} == {host.host_sharding}
     assert host.host.platform == "cpu"

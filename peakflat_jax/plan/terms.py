@@ -178,6 +178,8 @@ class WeightBytes:
     """Per stack: one layer's non-expert weights, whole, bytes (what the layer gathers)."""
     embedding_whole: int
     """The embedding table [V', H], whole, bytes."""
+    largest_leaf: int = 0
+    """The largest trainable leaf's elements, whole (all its shards)."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -196,7 +198,7 @@ def model_weights(model_config, num_devices: int) -> WeightBytes:
     stacks = {"dense_layers": "dense", "moe_layers": "moe"}
     layers = {"dense": model_config.num_dense_layers,
               "moe": model_config.num_layers - model_config.num_dense_layers}
-    count = param_bytes = embedding = 0
+    count = param_bytes = embedding = largest = 0
     shard = {"dense": 0, "moe": 0}
     whole = {"dense": 0, "moe": 0}
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
@@ -206,6 +208,7 @@ def model_weights(model_config, num_devices: int) -> WeightBytes:
         itemsize = jnp.dtype(leaf.dtype).itemsize
         count += local
         param_bytes += local * itemsize
+        largest = max(largest, math.prod(leaf.shape))
         if names == ("embedding",):
             embedding = math.prod(leaf.shape) * itemsize
         stack = stacks.get(names[0])
@@ -216,7 +219,8 @@ def model_weights(model_config, num_devices: int) -> WeightBytes:
     extra_bytes = sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
                       for leaf in jax.tree.leaves(extras))
     return WeightBytes(param_count=count, params=param_bytes, extras=extra_bytes,
-                       layer_shard=shard, layer_whole_dense=whole, embedding_whole=embedding)
+                       layer_shard=shard, layer_whole_dense=whole, embedding_whole=embedding,
+                       largest_leaf=largest)
 
 
 def _shard_shape(shape, spec, num_devices: int) -> tuple[int, ...]:
@@ -363,7 +367,8 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
     elif host_cpu:
         add("optimizer_update", 0, "update", MEMORY_FORMULAS["optimizer_update_host_cpu"])
         host = host_cpu_module.host_cpu_adamw_host_terms(
-            weights.param_count, model.dtype, clipped=config.optimizer.max_grad_norm is not None)
+            weights.param_count, model.dtype, largest_leaf=weights.largest_leaf,
+            num_devices=width, clipped=config.optimizer.max_grad_norm is not None)
         add_all("host.", host, "host", host_cpu_module.MEMORY_FORMULAS)
     elif platform == "gpu":
         # XLA:GPU fuses AdamW into elementwise loops over the donated state: h200-1's whole
