@@ -14,7 +14,8 @@ The rate is the bf16 median at the largest size over its parameters (the GPU run
 dtype; the fixed cost per call is negligible there). The copies are not timed: on a GPU host
 they cross the link (priced at ``Rates.host_link_bytes``), here they would be memory copies.
 
-The machine is recorded with the numbers. The default rate was measured on the 2-core dev CPU
+The machine is recorded with the numbers, and its load averages before and after (a shared
+machine's other work slows the medians). The default rate was measured on the 2-core dev CPU
 (no GPU), not on the GPU host, whose 16 cores ran optax.adamw about 5x faster per parameter
 (docs/offload_adamw.md): rerun this there for a GPU plan's rate (``peakflat plan --rate``).
 """
@@ -90,6 +91,7 @@ def main() -> None:
     parser.add_argument("--out-dir")
     args = parser.parse_args()
     sizes = [int(float(s)) for s in args.sizes.split(",")]
+    load_before = os.getloadavg()  # a shared machine: what else ran, as the kernel counts it
     cases = []
     for dtype in (jnp.bfloat16, jnp.float32):
         for size in sizes:
@@ -101,7 +103,8 @@ def main() -> None:
     machine = (f"{args.machine + ': ' if args.machine else ''}{os.cpu_count()} CPUs, "
                f"{cpu_model()}, {len(gpus)} GPUs")
     record = harness.new_record("host_adamw", machine=machine, cpu_count=os.cpu_count(),
-                                cpu_model=cpu_model(), cases=cases,
+                                cpu_model=cpu_model(), load_average_before=load_before,
+                                load_average_after=os.getloadavg(), cases=cases,
                                 seconds_per_param=largest["seconds_per_param"],
                                 rate_from={"dtype": "bfloat16",
                                            "num_params": largest["num_params"]})
