@@ -14,10 +14,11 @@ from peakflat_jax.train.data import causal_pairs_per_sequence
 # ----------------------------------------------------------------------------------------------
 # Measured rates.
 
-HOST_ADAMW_RECORD = "host_adamw_cpu_20261201-170423.json"
+HOST_ADAMW_RECORD = "host_adamw_cpu_20261201-172306.json"
 """The record (scripts/results/) of the host-CPU AdamW rate: the 2-core dev CPU, no GPU."""
-HOST_ADAMW_SECONDS_PER_PARAM = 0.31691608099936275 / 64_000_000
-"""That record's bf16 case at 6.4e7 parameters: 4.95 s per 1e9 on the 2-core dev CPU."""
+HOST_ADAMW_SECONDS_PER_PARAM = 0.23030315899814013 / 64_000_000
+"""That record's bf16 case at 6.4e7 parameters: 3.60 s per 1e9 on the 2-core dev CPU (shared:
+its load average was ~4.8; docs/offload_adamw.md)."""
 
 
 @dataclasses.dataclass(frozen=True)
