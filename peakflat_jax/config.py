@@ -353,6 +353,15 @@ class OptimizerConfig:
     """beta: parameters per streamed bucket (offloaded optimizer)."""
     slots: int = 2
     """s: buckets staged on the device at once (offloaded optimizer)."""
+    update_on: Literal["device", "host_cpu"] = "device"
+    """Where the standard stack's AdamW (``operators.optimizer_offload: false``) keeps its state
+    and runs its update: ``device``, optax on the device inside the step, the fp32 master and
+    moments sharded like the params (12 bytes a parameter of device memory); ``host_cpu``, the
+    ZeRO-Offload placement: the fp32 master and moments in host memory, updated by the host CPU
+    (jax's CPU backend) after each step's gradients come down, the new working params sent
+    back (``train.optimizer.HostCpuAdamW``). The same arithmetic either way. Never chosen by
+    the planner: it is the baseline's placement, not an operator (``operators.optimizer_offload:
+    auto`` resolves to false with it). One process only."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -643,6 +652,14 @@ def check_config(config: Config) -> Config:
     if not 0 <= opt.b1 < 1 or not 0 <= opt.b2 < 1:
         raise ConfigError(f"optimizer.b1/b2: expected numbers in [0, 1), got {opt.b1}, "
                           f"{opt.b2}")
+    if opt.update_on == "host_cpu" and o.optimizer_offload is True:
+        raise ConfigError("optimizer.update_on: host_cpu (the update on the host CPU) contradicts "
+                          "operators.optimizer_offload: true (the state streamed through the "
+                          "device, updated there); set one of them")
+    if opt.update_on == "host_cpu" and (config.mesh.num_processes or 1) > 1:
+        raise ConfigError(f"optimizer.update_on: host_cpu runs in one process (its host state "
+                          f"is one process's), got mesh.num_processes = "
+                          f"{config.mesh.num_processes}")
     if opt.max_grad_norm is not None and opt.max_grad_norm <= 0:
         raise ConfigError(f"optimizer.max_grad_norm: expected null or a positive number, got "
                           f"{opt.max_grad_norm}")

@@ -95,3 +95,33 @@ def mixture_of_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
     weight = jnp.einsum("nk,nke->en", gates, jax.nn.one_hot(expert_ids, num_experts,
                                                              dtype=gates.dtype))
     return jnp.einsum("en,enh->nh", weight, outputs)
+
+
+def adamw_steps(params: dict, grads: list[dict], hyperparams: list[dict], *,
+                max_grad_norm: float | None = None) -> list[dict]:
+    """AdamW (Loshchilov & Hutter, bias-corrected, decoupled decay as optax.adamw applies it) in
+    float64 numpy, one step per entry of ``grads`` with that step's ``hyperparams``
+    (learning_rate, b1, b2, eps, weight_decay); the gradients first clipped to the global norm
+    ``max_grad_norm`` (scaled by max_grad_norm / norm where the norm exceeds it). Returns the
+    params after each step. The optimizers' oracle: it shares no code with optax."""
+    import numpy as np
+
+    params = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    mu = {k: np.zeros_like(v) for k, v in params.items()}
+    nu = {k: np.zeros_like(v) for k, v in params.items()}
+    history = []
+    for t, (step_grads, h) in enumerate(zip(grads, hyperparams), start=1):
+        g = {k: np.asarray(v, np.float64) for k, v in step_grads.items()}
+        if max_grad_norm is not None:
+            norm = np.sqrt(sum(np.sum(v * v) for v in g.values()))
+            if norm > max_grad_norm:
+                g = {k: v * (max_grad_norm / norm) for k, v in g.items()}
+        for k in params:
+            mu[k] = h["b1"] * mu[k] + (1 - h["b1"]) * g[k]
+            nu[k] = h["b2"] * nu[k] + (1 - h["b2"]) * g[k] ** 2
+            mu_hat = mu[k] / (1 - h["b1"] ** t)
+            nu_hat = nu[k] / (1 - h["b2"] ** t)
+            update = mu_hat / (np.sqrt(nu_hat) + h["eps"]) + h["weight_decay"] * params[k]
+            params[k] = params[k] - h["learning_rate"] * update
+        history.append(dict(params))
+    return history

@@ -2,8 +2,10 @@
 with: ours (``operators: auto``, the planner's choice at each probe, held to its plan: a probe
 the planner refuses does not fit) against the standard stack of the same model (all four off:
 full remat, cuDNN flash attention, the materialized loss, expert parallelism with the same
-grouped matmul, optax's AdamW on the device, the same mesh), which the planner does not hold
-back: it fits where XLA and the allocator let it run (``train.device_memory_gib`` lifted).
+grouped matmul, the same mesh; optax's AdamW on the device where it fits, and where it does not
+the same AdamW with its state in host memory updated by the host CPU, ZeRO-Offload's placement,
+``optimizer.update_on: host_cpu``), which the planner does not hold back: it fits where XLA and
+the allocator let it run (``train.device_memory_gib`` lifted).
 
     python scripts/bench_end_to_end.py --config h200-1 [--out-dir DIR]   # one H200
     python scripts/bench_end_to_end.py --config h200-2                   # two H200s
@@ -11,7 +13,11 @@ back: it fits where XLA and the allocator let it run (``train.device_memory_gib`
         --batch-context 128 --device-memory 0.05                         # the harness, on CPU
 
 For each stack, every probe is a fresh process (``peakflat_jax.bench.train_step``'s case: a few
-steps of the config at a context and batch), so that each peak is its own:
+steps of the config at a context and batch), so that each peak is its own. A baseline probe runs
+with the device optimizer first; where that does not fit (out of memory, or XLA's plan over the
+device's memory) the probe runs again with the host-CPU optimizer, and where the device
+optimizer missed at a context and batch no larger, it starts there. Each probe's summary says
+which optimizer it used (``optimizer``) and, for the host CPU, why (``device_optimizer``).
 
 1. the longest context (one sequence per data-parallel rank) it trains: doubling from
    ``--start`` until a probe does not fit (out of memory, or XLA's plan over the device's
@@ -44,28 +50,67 @@ STACKS = {
                  "train.device_memory_gib=1000000"],
 }
 MODE = {"peakflat": "auto", "baseline": "device"}
+HOST_CPU = ["optimizer.update_on=host_cpu"]
+"""The baseline's optimizer where the device one does not fit: ZeRO-Offload's placement."""
+FIELDS = ("step_s", "tokens_per_s", "model_tflops_per_device", "peak_bytes", "plan_bytes",
+          "xla_plan_bytes", "compile_s", "error", "oom", "optimizer")
 
 
 def probe(config: str, stack: str, context: int, batch: int, args) -> dict:
-    """One fresh process: ``args.steps`` steps of ``config`` at ``context`` tokens and
-    ``batch`` sequences per data-parallel rank."""
-    overrides = [*args.overrides, *STACKS[stack], f"data.seq_len={context}",
+    """``args.steps`` steps of ``config`` at ``context`` tokens and ``batch`` sequences per
+    data-parallel rank, in a fresh process; for the baseline, with the device optimizer and,
+    where that does not fit, again with the host-CPU one (the module doc)."""
+    if stack != "baseline":
+        return summarize(stack, context, batch, run_probe(config, stack, context, batch, [],
+                                                          args), args)
+    missed = next(((c, b) for c, b in args.device_misses if c <= context and b <= batch), None)
+    if missed is None:
+        result = run_probe(config, stack, context, batch, [], args)
+        summary = summarize(stack, context, batch, result, args)
+        if summary["fits"] or not out_of_memory(result, args):
+            return summary
+        args.device_misses.append((context, batch))
+        why = {k: summary[k] for k in ("error", "oom", "xla_plan_bytes")}
+    else:  # memory grows with the context and the batch: it would miss here too
+        why = f"skipped: the device optimizer did not fit at context {missed[0]}, batch " \
+              f"{missed[1]}"
+    summary = summarize(stack, context, batch, run_probe(config, stack, context, batch,
+                                                         HOST_CPU, args), args)
+    return {**summary, "device_optimizer": why}
+
+
+def run_probe(config: str, stack: str, context: int, batch: int, extra: list[str],
+              args) -> dict:
+    """One fresh process of ``peakflat_jax.bench.train_step``'s case; its result."""
+    overrides = [*args.overrides, *STACKS[stack], *extra, f"data.seq_len={context}",
                  f"data.batch_size={batch * args.data_degree}", "data.source=synthetic"]
     if args.device_memory and stack == "peakflat":  # the plan's budget (CPU: required)
         overrides.append(f"train.device_memory_gib={args.device_memory}")
     case = dict(config=config, overrides=overrides, mode=MODE[stack], steps=args.steps,
                 warmup=1)
-    print(f"[end_to_end] {stack} context {context} batch {batch}", file=sys.stderr, flush=True)
-    result = memory.run_in_fresh_process("peakflat_jax.bench.train_step",
-                                         ["--case", json.dumps(case)], timeout=args.timeout)
-    fits = "error" not in result
-    if fits and args.device_memory and (result.get("xla_plan_bytes") or 0) > (
-            args.device_memory * 2**30):  # a CPU runs out of nothing: XLA's plan decides
-        fits = False
+    print(f"[end_to_end] {stack} context {context} batch {batch} {' '.join(extra)}",
+          file=sys.stderr, flush=True)
+    return memory.run_in_fresh_process("peakflat_jax.bench.train_step",
+                                       ["--case", json.dumps(case)], timeout=args.timeout)
+
+
+def over_device_memory(result: dict, args) -> bool:
+    """XLA's plan above ``--device-memory``: on a CPU, which runs out of nothing, the miss."""
+    return bool(args.device_memory) and (result.get("xla_plan_bytes") or 0) > (
+        args.device_memory * 2**30)
+
+
+def out_of_memory(result: dict, args) -> bool:
+    """A probe that did not fit for memory (the allocator's out-of-memory, the trainer's
+    refusal by XLA's plan, or XLA's plan over ``--device-memory``), not for another error."""
+    return bool(result.get("oom")) or ("error" not in result and over_device_memory(result,
+                                                                                     args))
+
+
+def summarize(stack: str, context: int, batch: int, result: dict, args) -> dict:
+    fits = "error" not in result and not over_device_memory(result, args)
     summary = {"stack": stack, "context": context, "batch": batch, "fits": fits,
-               **{k: result.get(k) for k in ("step_s", "tokens_per_s", "model_tflops_per_device",
-                                             "peak_bytes", "plan_bytes", "xla_plan_bytes",
-                                             "compile_s", "error", "oom")}}
+               **{k: result.get(k) for k in FIELDS}}
     print(f"[end_to_end] -> {json.dumps(summary)}", file=sys.stderr, flush=True)
     return summary
 
@@ -149,6 +194,7 @@ def main() -> None:
     prepare_environment()
 
     args.data_degree = load_config(args.config, args.overrides).mesh.data
+    args.device_misses = []  # (context, batch) where the baseline's device optimizer missed
 
     record = harness.new_record("end_to_end", config=args.config, overrides=args.overrides,
                                 device_memory_gib=args.device_memory, probes=[], stacks={})

@@ -51,6 +51,11 @@ def assert_one_line_naming(status: int, err: str, *names: str) -> None:
     (["--bogus"], "--bogus"),
     (["--no-progress", "steps"], "steps"),
     (["--resume", "--overwrite"], "--overwrite"),
+    (["optimizer.update_on=gpu"], "optimizer.update_on"),         # not a placement
+    # tiny streams its optimizer (optimizer_offload: true): the host CPU contradicts it.
+    (["optimizer.update_on=host_cpu"], "operators.optimizer_offload: true"),
+    (["optimizer.update_on=host_cpu", "operators.optimizer_offload=false",
+      "mesh.num_processes=2"], "mesh.num_processes"),             # one process only
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_bad_train_input_is_one_line_and_status_2(capsys, tmp_path, argv, key):
     status, _, err = run_main(capsys, "train", "tiny", *SMALL, *argv, "--run-dir",

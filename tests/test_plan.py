@@ -182,12 +182,14 @@ def test_attention_kernel_sets_the_scores_term():
 # ----------------------------------------------------------------------------------------------
 # The bound against XLA's CPU plan of the trainer's programs.
 
-# Each operator on in two cases and off in two.
+# Each operator on in two cases and off in two; and the standard stack with its optimizer on the
+# host CPU (optimizer.update_on: host_cpu, ZeRO-Offload's placement).
 VARIANTS = {
     "all_on": [],
     "all_off": ALL_OFF,
     "loss_and_optimizer_off": ["operators.loss=materialized", "operators.optimizer_offload=false"],
     "moe_and_offload_off": ["operators.moe_dispatch=ep", "operators.offload=none"],
+    "host_cpu": [*ALL_OFF, "optimizer.update_on=host_cpu"],
 }
 
 
@@ -207,7 +209,8 @@ def compiled_programs(tmp_path_factory):
 
 def compiled_step(config, tmp_path):
     """The trainer's compiled programs' XLA plans: {"gradient": ...} (or the fused step), and
-    with the optimizer offloaded "optimizer_step" and, overlapped, "overlapped"."""
+    with the optimizer offloaded "optimizer_step" and, overlapped, "overlapped"; with the update
+    on the host CPU, "host_update" (a CPU program, held to the plan's host terms)."""
     from peakflat_jax.train.trainer import Trainer
 
     trainer = Trainer(config, run_dir=str(tmp_path))
@@ -216,9 +219,12 @@ def compiled_step(config, tmp_path):
     trainer.compile(state, batch)
     # Overlapped, the trainer runs no gradient program of its own; the plan's "gradient" is the
     # same program's terms without the update's, held here to the program that computes them.
+    separate = trainer.offloaded_optimizer or trainer.host_cpu_optimizer
     programs = {"gradient": compiled_memory(trainer.gradient_program(state, batch)
-                                            if trainer.offloaded_optimizer
-                                            else trainer._train_step)}
+                                            if separate else trainer._train_step)}
+    if trainer.host_cpu_optimizer:
+        programs["host_update"] = compiled_memory(
+            trainer.optimizer.lower(state.params, state.opt_state).compile())
     if getattr(trainer, "_overlapped_step", None) is not None:
         programs["overlapped"] = compiled_memory(trainer._overlapped_step)
     if trainer.offloaded_optimizer:
@@ -254,7 +260,7 @@ def test_plan_bounds_the_trainers_compiled_programs(compiled_programs, variant):
     # On CPU the host state is an ordinary argument: leave it out of the device's share.
     host_state = 12 * pl.model_weights(config.model, 8).param_count
     xla = {name: program.total - (host_state if name != "gradient" else 0)
-           for name, program in programs.items()}
+           for name, program in programs.items() if name != "host_update"}
     assert set(plan.programs) == set(xla)
     for name in xla:
         assert plan.programs[name] >= xla[name], name
@@ -276,26 +282,51 @@ BOOKKEEPING_BYTES = 512
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", [
-    "all_on", "loss_and_optimizer_off"],
-    ids=["offloaded", "device"])
+    "all_on", "loss_and_optimizer_off", "host_cpu"],
+    ids=["offloaded", "device", "host_cpu"])
 def test_persistent_terms_are_the_programs_arguments(compiled_programs, variant):
     """What the step keeps from one step to the next is exactly the plan's persistent terms:
     the device step's arguments (weights, fp32 state, router bias, batch), or the gradient
-    program's arguments and outputs (weights in, gradients out)."""
+    program's arguments and outputs (weights in, gradients out) where the state is in host
+    memory (streamed, or updated by the host CPU: no master or moments on the device)."""
     config = small(*VARIANTS[variant])
-    optimizer_offload = config.operators.optimizer_offload
+    state_in_host_memory = (config.operators.optimizer_offload
+                            or config.optimizer.update_on == "host_cpu")
     xla = compiled_programs(variant)["gradient"]
     terms = by_name(pl.plan_terms(config, knobs_of(config), platform="cpu"))
     extras = terms["router_bias"].bytes // 2  # the term counts it in and out
     arguments = terms["params"].bytes + extras + terms["batch"].bytes
-    if not optimizer_offload:
+    if state_in_host_memory:
+        assert "master" not in terms and "moments" not in terms
+    else:
         arguments += terms["master"].bytes + terms["moments"].bytes
     assert 0 <= xla.argument - arguments <= BOOKKEEPING_BYTES
-    if optimizer_offload:
+    if state_in_host_memory:
         counts = (config.model.num_layers - config.model.num_dense_layers) * (
             config.model.num_experts * 4)
         outputs = terms["grads"].bytes + extras + counts + 8  # + the loss and gradient norm
         assert 0 <= xla.output - outputs <= BOOKKEEPING_BYTES
+
+
+@pytest.mark.slow
+def test_host_terms_are_the_host_updates_plan(compiled_programs):
+    """With the update on the host CPU the plan's host terms of the optimizer (12 P of fp32
+    state and the step's transit, per device) add up, over the 8 devices whose shards the one
+    host program updates, to XLA:CPU's plan of that program (arguments + temporaries + the
+    outputs it does not alias; its temporaries one leaf's clipped fp32 gradient, the largest),
+    within its bookkeeping and scalars; and the device keeps no term of the optimizer."""
+    config = small(*VARIANTS["host_cpu"])
+    xla = compiled_programs("host_cpu")["host_update"]
+    terms = by_name(pl.plan_terms(config, knobs_of(config), platform="cpu"))
+    host = terms["host.cpu_adamw_state"].bytes + terms["host.cpu_adamw_transit"].bytes
+    assert terms["host.cpu_adamw_state"].bytes == 12 * pl.model_weights(config.model,
+                                                                         8).param_count
+    print(f"host update: XLA {xla.total:,} bytes, 8 x the terms {8 * host:,}")
+    assert 0 <= xla.total - 8 * host <= 4 * BOOKKEEPING_BYTES
+    largest = pl.model_weights(config.model, 8).largest_leaf
+    assert 0 <= xla.temp - 4 * largest <= BOOKKEEPING_BYTES
+    assert terms["optimizer_update"].bytes == 0
+    assert not any(t.name.startswith("optimizer_step.") for t in terms.values())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -401,6 +432,14 @@ def test_default_rates_are_their_records():
     llep = case("moe_dispatch_gpu_20261130-090350.json", method="llep")
     chunks = math.ceil(pipelined["tokens"] / pipelined["token_budget"])
     assert rates.moe_chunk_seconds == (pipelined["time_s"] - llep["time_s"]) / (chunks - 1)
+    # The host-CPU AdamW's rate: measured on the 2-core dev CPU, not a GPU host (its label).
+    from peakflat_jax.plan.rates import HOST_ADAMW_RECORD
+
+    host = json.loads((RESULTS / HOST_ADAMW_RECORD).read_text())
+    assert "dev CPU" in host["machine"] and "not the GPU host" in host["machine"]
+    assert rates.host_adamw_seconds_per_param == host["seconds_per_param"]
+    assert host["seconds_per_param"] == case(HOST_ADAMW_RECORD, **host["rate_from"])[
+        "median_s"] / host["rate_from"]["num_params"]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -103,3 +103,52 @@ def test_on_a_cpu_the_layer_loop_is_scanned():
     """XLA:CPU lowers the host copies to nothing: nothing to overlap, one layer compiled."""
     plan = plan_of(["operators.optimizer_offload=true"], platform="cpu")
     assert plan.config.operators.layer_loop == "scan"
+
+
+# ----------------------------------------------------------------------------------------------
+# The host-CPU optimizer (optimizer.update_on: host_cpu): the baseline's placement, never auto's.
+
+
+@pytest.mark.parametrize("context", [65536, 196608, 1048576], ids=["fits", "binds", "none"])
+def test_auto_never_puts_the_optimizer_on_the_host_cpu(context):
+    """Wherever the standard stack fits, binds or nothing fits, auto's optimizer is on the
+    device or streamed; and --auto's at the longest context it finds."""
+    assert plan_of([f"data.seq_len={context}"]).config.optimizer.update_on == "device"
+    if context == 65536:
+        searched = make_plan(load_config("h200-1"), 1, auto=True, baseline=False,
+                             search_context=False, **H200)
+        assert searched.filled_config().optimizer.update_on == "device"
+
+
+def test_with_host_cpu_the_stream_stays_off_and_the_state_leaves_the_device():
+    """With optimizer.update_on: host_cpu, optimizer_offload: auto resolves to false (said in
+    a choice), --auto never streams either; the device's total is the device AdamW's less its
+    fp32 master and moments (12 bytes a parameter), which are host terms now; and the step
+    estimate adds the host's update and the copies (gradients down, params up)."""
+    from peakflat_jax.plan import Rates, model_weights
+
+    off = [f"operators.{n}={str(v[0]).lower()}" for n, v in CHOICES.items()
+           if n != "optimizer_offload"]
+    host = plan_of([*off, "optimizer.update_on=host_cpu"])
+    assert host.config.operators.optimizer_offload is False
+    choice = next(c for c in host.choices if c.key == "operators.optimizer_offload")
+    assert choice.value is False and "host_cpu" in choice.why
+    device = plan_of([*off, "operators.optimizer_offload=false"])
+    params = model_weights(host.config.model, 1).param_count
+    terms = {t.name: t.bytes for t in host.terms}
+    assert device.total_bytes - host.total_bytes == 12 * params  # bf16: master 4, moments 8
+    assert "master" not in terms and "moments" not in terms
+    assert "host.optimizer_state" not in terms  # not the pinned pool's: the CPU backend's
+    assert terms["host.cpu_adamw_state"] == 12 * params
+    largest = model_weights(host.config.model, 1).largest_leaf  # one leaf's clipped fp32
+    assert terms["host.cpu_adamw_transit"] == 2 * params + 4 * largest  # and the bf16 grads
+    rates = Rates()
+    extra = params * rates.host_adamw_seconds_per_param + 2 * 2 * params / rates.host_link_bytes
+    assert host.step_seconds - device.step_seconds == pytest.approx(extra, rel=1e-9)
+    config = load_config("h200-1", ["optimizer.update_on=host_cpu"])
+    searched = make_plan(config, 1, auto=True, baseline=False, search_context=False, **H200)
+    assert searched.knobs.optimizer_offload is False
+    assert searched.filled_config().optimizer.update_on == "host_cpu"
+    assert make_plan(config, 1, baseline=False, **H200).largest_context > make_plan(
+        load_config("h200-1", ["operators.optimizer_offload=false"]), 1, baseline=False,
+        **{**H200}).largest_context

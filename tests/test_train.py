@@ -123,12 +123,17 @@ def leaves_of(trainer_state):
         (trainer_state.params, trainer_state.extras, trainer_state.opt_state))]
 
 
+# Where the optimizer's state lives: streamed from host memory, on the device, on the host CPU.
+PLACEMENTS = {"offloaded": ["operators.optimizer_offload=true"],
+              "device": ["operators.optimizer_offload=false"],
+              "host_cpu": ["operators.optimizer_offload=false", "optimizer.update_on=host_cpu"]}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer_offload", [True, False], ids=["offloaded", "device"])
-def test_resume_is_exact(tmp_path, optimizer_offload):
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_resume_is_exact(tmp_path, placement):
     """6 steps straight equal 3 steps, a checkpoint, and 3 resumed steps: bit for bit."""
-    switch = f"operators.optimizer_offload={str(optimizer_offload).lower()}"
-    config = small_config(switch, "train.steps=6", "train.checkpoint_every=3")
+    config = small_config(*PLACEMENTS[placement], "train.steps=6", "train.checkpoint_every=3")
     straight = Trainer(config, run_dir=str(tmp_path / "a"))
     summary = straight.run(progress=False)
     half = Trainer(config, run_dir=str(tmp_path / "b")).run(progress=False, stop_after=3)
@@ -139,12 +144,12 @@ def test_resume_is_exact(tmp_path, optimizer_offload):
     chex.assert_trees_all_equal(leaves_of(straight.final_state), leaves_of(resumed.final_state))
 
 
-@pytest.mark.parametrize("optimizer_offload", [True, False], ids=["offloaded", "device"])
-def test_the_abstract_state_is_the_made_states_shapes_and_places(optimizer_offload):
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_the_abstract_state_is_the_made_states_shapes_and_places(placement):
     """What a resume restores into (nothing made) has the made state's structure, shapes,
     dtypes, shardings and memory kinds, leaf by leaf, and the optimizer's layout."""
-    trainer = Trainer(small_config(f"operators.optimizer_offload={str(optimizer_offload).lower()}"),
-                      run_dir="unused")
+    optimizer_offload = placement == "offloaded"
+    trainer = Trainer(small_config(*PLACEMENTS[placement]), run_dir="unused")
     made, abstract = trainer.initial_state(), trainer.initial_state(abstract=True)
     made, abstract = ((s.params, s.extras, s.opt_state) for s in (made, abstract))
     assert jax.tree.structure(abstract) == jax.tree.structure(made)
@@ -153,6 +158,31 @@ def test_the_abstract_state_is_the_made_states_shapes_and_places(optimizer_offlo
         assert (a.shape, a.dtype, a.sharding) == (m.shape, m.dtype, m.sharding)
     if optimizer_offload:
         assert abstract[2].layout == made[2].layout
+
+
+@pytest.mark.slow
+def test_the_host_cpu_optimizer_trains_as_the_device_one(tmp_path):
+    """optimizer.update_on: host_cpu (ZeRO-Offload's placement) against optax on the device,
+    4 steps of the same config: the same losses and weights to 1e-6 (the same arithmetic; the
+    device's global norm sums the sharded gradients in another order). ``optimizer_offload:
+    auto`` resolves to false with it, the device holds no optimizer state, and the trainer
+    compiles the gradient program and the host update (programs it shares with the resume
+    test above)."""
+    device = Trainer(small_config(*PLACEMENTS["device"]), run_dir=str(tmp_path / "device"))
+    expected = device.run(progress=False)["losses"]
+    host = Trainer(small_config("optimizer.update_on=host_cpu", "operators.optimizer_offload=auto"),
+                   run_dir=str(tmp_path / "host"))
+    assert host.config.operators.optimizer_offload is False and host.host_cpu_optimizer
+    summary = host.run(progress=False)
+    np.testing.assert_allclose(summary["losses"], expected, rtol=1e-6)
+    for ours, theirs in zip(jax.tree.leaves(jax.device_get(host.final_state.params)),
+                            jax.tree.leaves(jax.device_get(device.final_state.params))):
+        assert relative_error(ours, theirs) <= 1e-6
+    cpu = host.optimizer.host_sharding
+    assert all(leaf.sharding == cpu for leaf in jax.tree.leaves(host.final_state.opt_state))
+    assert {leaf.sharding for leaf in jax.tree.leaves(host.final_state.params)} == {
+        leaf.sharding for leaf in jax.tree.leaves(device.final_state.params)}
+    assert hasattr(host, "_gradient_step") and not hasattr(host, "_train_step")
 
 
 def run_cli(args, env=None, timeout=900):

@@ -1,7 +1,9 @@
 """The run's optimizer with its hyperparameters as inputs (set from the host schedule before
-every step) equals optax's own AdamW whose schedule runs on its internal count, on the device
-and offloaded, and one compiled step serves any schedule."""
+every step) equals optax's own AdamW whose schedule runs on its internal count, on the device,
+offloaded and on the host CPU, and one compiled step serves any schedule. The host-CPU update is
+the device update bit for bit, and both are a float64 AdamW's."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,9 +11,11 @@ import optax
 import pytest
 from _helpers import relative_error
 
+from peakflat_jax import reference
 from peakflat_jax.config import OptimizerConfig
 from peakflat_jax.train.optimizer import (
     DeviceAdamW,
+    HostCpuAdamW,
     hyperparams_at,
     learning_rate_schedule,
     make_offloaded,
@@ -48,7 +52,7 @@ def optax_reference(params, grads):
     return history
 
 
-@pytest.mark.parametrize("where", ["device", "offloaded"])
+@pytest.mark.parametrize("where", ["device", "offloaded", "host_cpu"])
 def test_injected_hyperparameters_equal_optax_schedule(rng, where):
     params, grads = draw(rng)
     schedule = learning_rate_schedule(CONFIG, STEPS)
@@ -58,7 +62,7 @@ def test_injected_hyperparameters_equal_optax_schedule(rng, where):
         state = optimizer.init(params)
         step = jax.jit(optimizer.update)
     else:
-        optimizer = make_offloaded(CONFIG)
+        optimizer = make_offloaded(CONFIG) if where == "offloaded" else HostCpuAdamW(CONFIG)
         state = optimizer.init(params)
     current = params
     for t, g in enumerate(grads):
@@ -99,3 +103,84 @@ def test_one_compiled_step_serves_any_schedule(rng):
             state = with_hyperparams(state, hyperparams_at(config, schedule, t))
             params, state = step(grads[t], params, state)
     assert step._cache_size() == 1
+
+
+def run_steps(optimizer, params, grads, *, device: bool):
+    """(params, master, optax state) after each of ``grads``' steps with the run's schedule,
+    from ``DeviceAdamW`` (jitted) or ``HostCpuAdamW``."""
+    schedule = learning_rate_schedule(CONFIG, STEPS)
+    state = optimizer.init(params)
+    step = jax.jit(optimizer.update) if device else None
+    history = []
+    for t, g in enumerate(grads):
+        state = with_hyperparams(state, hyperparams_at(CONFIG, schedule, t))
+        params, state = step(g, params, state) if device else optimizer.step(g, state)
+        # Read now: the host update donates its state.
+        history.append(jax.device_get((params, params if state[0] is None else state[0],
+                                       state[1])))
+    return history
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_host_cpu_update_is_the_device_update(rng, dtype):
+    """optimizer.update_on: host_cpu against the device's AdamW, the same gradients, clipping
+    and schedule, on one device: after every step the optax state (moments, counts,
+    hyperparameters) bit for bit, the fp32 master to 1e-6 (an ulp or two apart: the two
+    programs' bias-corrected steps compile apart), the working params the master cast; the
+    state on the host CPU device."""
+    params, grads = draw(rng)
+    params = jax.tree.map(lambda p: p.astype(dtype), params)
+    grads = [jax.tree.map(lambda g: g.astype(dtype), g) for g in grads]
+    on_device = run_steps(DeviceAdamW(CONFIG), params, grads, device=True)
+    host = HostCpuAdamW(CONFIG)
+    on_host = run_steps(host, params, grads, device=False)
+    for t, ((_, device_master, device_state), (host_params, host_master, host_state)) in (
+            enumerate(zip(on_device, on_host), start=1)):
+        chex.assert_trees_all_equal(host_state, device_state)
+        for name in device_master:
+            assert relative_error(host_master[name], device_master[name]) <= 1e-6, (t, name)
+            assert host_master[name].dtype == np.float32
+            np.testing.assert_array_equal(host_params[name],
+                                          host_master[name].astype(host_params[name].dtype))
+            assert host_params[name].dtype == dtype
+    state = host.init(params)
+    assert {leaf.sharding for leaf in jax.tree.leaves(state)} == {host.host_sharding}
+    assert host.host.platform == "cpu"
+
+
+def test_host_cpu_update_is_a_float64_adamw(rng):
+    """Three clipped updates of the host CPU against the float64 oracle (reference.adamw_steps,
+    no optax): each step's change of the params to 1e-5 relative, the params to 1e-6."""
+    params, grads = draw(rng)
+    schedule = learning_rate_schedule(CONFIG, STEPS)
+    hyper = [hyperparams_at(CONFIG, schedule, t) for t in range(3)]
+    expected = reference.adamw_steps({k: np.asarray(v) for k, v in params.items()},
+                                     [{k: np.asarray(v) for k, v in g.items()} for g in grads[:3]],
+                                     hyper, max_grad_norm=CONFIG.max_grad_norm)
+    optimizer = HostCpuAdamW(CONFIG)
+    state, before, before_expected = optimizer.init(params), params, params
+    for t in range(3):
+        state = with_hyperparams(state, hyper[t])
+        current, state = optimizer.step(grads[t], state)
+        for name in params:
+            change = np.asarray(current[name], np.float64) - np.asarray(before[name], np.float64)
+            assert relative_error(change, expected[t][name] - before_expected[name]) < 1e-5
+            assert relative_error(current[name], expected[t][name]) < 1e-6
+        before, before_expected = current, expected[t]
+
+
+def test_one_compiled_host_update_serves_any_schedule(rng):
+    """The host update's program has no schedule in it (the hyperparameters are its inputs),
+    and its donated state is consumed."""
+    params, grads = draw(rng)
+    optimizer = HostCpuAdamW(CONFIG)
+    state = optimizer.init(params)
+    for total_steps, peak in ((STEPS, 1e-2), (3 * STEPS, 3e-3)):
+        config = OptimizerConfig(**{**CONFIG.__dict__, "learning_rate": peak})
+        schedule = learning_rate_schedule(config, total_steps)
+        for t in range(2):
+            state = with_hyperparams(state, hyperparams_at(config, schedule, t))
+            old = state
+            params, state = optimizer.step(grads[t], state)
+            assert all(leaf.is_deleted() for leaf in jax.tree.leaves(old[0]))
+    assert len(optimizer._executables) == 1

@@ -8,10 +8,11 @@ in a fresh process, with the planner's bound beside the measured peak.
 
 A case: ``config`` (a preset's name or a path), ``overrides`` (``section.field=value``),
 ``mode`` (``overlap``, ``plain``: the optimizer's own program after the gradients,
-``no_optimizer``: the gradient program alone, ``device``: the fused step with optax on the
-device, ``auto``: the config's operators as they are), ``steps`` timed after ``warmup``. Step
-times are medians of wall time per step, each step waiting for its loss; the batches come from
-the data pipeline, made before the clock starts.
+``no_optimizer``: the gradient program alone, ``device``: optax's AdamW not streamed, the
+fused step on the device or, with ``optimizer.update_on: host_cpu``, the host CPU's update after
+the gradient program, ``auto``: the config's operators as they are), ``steps`` timed after
+``warmup``. Step times are medians of wall time per step, each step waiting for its loss; the
+batches come from the data pipeline, made before the clock starts.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def run_case(case: dict) -> dict:
     except DoesNotFit as error:
         return {"error": "DoesNotFit", "oom": True, "message": str(error)[:2000]}
     result = {"compile_s": time.perf_counter() - started, "xla_plan_bytes": trainer.xla_plan.total,
-              "parameters": _parameter_count(state.params), "plan_bytes": _plan_bytes(config)}
+              "parameters": _parameter_count(state.params), "plan_bytes": _plan_bytes(config),
+              "optimizer": trainer.optimizer_placement()}
     samples, losses = [], []
     for i, batch in enumerate(batches):
         started = time.perf_counter()

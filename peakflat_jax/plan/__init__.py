@@ -14,8 +14,8 @@ per device, each with a one-line formula, and composes them as the step runs:
 inside the next step, its first step included; a flush runs the optimizer's own).
 
 * persistent: the weight shards and their gradients, the device optimizer's fp32 master and
-  moments (or nothing, when OffloadStreamAdamW keeps them in host memory), the router bias, the
-  batch;
+  moments (or nothing, when OffloadStreamAdamW keeps them in host memory, or the host CPU updates
+  them: ``optimizer.update_on: host_cpu``), the router bias, the batch;
 * boundaries: the checkpoint boundaries SCO keeps on the device, and every layer's integer
   carry leaves (``sco_memory_terms``);
 * layer: one layer's recompute and backward, the largest layer kind: the restored boundaries,
@@ -31,8 +31,9 @@ inside the next step, its first step included; a flush runs the optimizer's own)
   its state);
 * overlap: the staging of the update inside the step, and the MoE layers' updated weights taken
   per layer beside their stacked copy (XLA:CPU's peak held both);
-* host: OffloadStreamAdamW's state (``offload_stream_adamw_host_bytes``), the offloaded
-  boundaries (``sco_host_bytes``) and the data pipeline (``pipeline_host_bytes``).
+* host: OffloadStreamAdamW's state (``offload_stream_adamw_host_bytes``) or the host-CPU
+  AdamW's state and transit (``host_cpu_adamw_host_terms``), the offloaded boundaries
+  (``sco_host_bytes``) and the data pipeline (``pipeline_host_bytes``).
 
 Each operator's terms come from the operator's own function: one source of truth per bound.
 The weights' bytes come from the model itself (its abstract shapes under ``model.sharding``'s

@@ -104,7 +104,12 @@ def choose_knobs(config: Config, knobs: Knobs, platform: str, device_memory: int
     block_options = block_choices(config, knobs) if choose_block else [knobs.vocab_block]
     offload_options = (list(range(model.num_layers + 1)) if auto else [knobs.num_offloaded])
     has_moe = model.num_layers > model.num_dense_layers
-    optimizer_options = ([(False, False), (True, False)] + ([(True, True)] if has_moe else [])
+    # The host-CPU optimizer (optimizer.update_on: host_cpu) keeps its state in host memory: the
+    # streamed one is never an option beside it.
+    host_cpu = config.optimizer.update_on == "host_cpu"
+    may_stream = not host_cpu
+    optimizer_options = ([(False, False)] + ([(True, False)] if may_stream else [])
+                         + ([(True, True)] if has_moe and may_stream else [])
                          if auto else [(knobs.optimizer_offload, knobs.optimizer_overlap)])
 
     def with_chunks(k: Knobs, chunks):
@@ -137,7 +142,7 @@ def choose_knobs(config: Config, knobs: Knobs, platform: str, device_memory: int
         lightest = with_offload(knobs, model.num_layers if auto else None)
         lightest = with_chunks(lightest, chunk_options[-1])
         lightest = dataclasses.replace(lightest, vocab_block=block_options[-1])
-        if auto:
+        if auto and may_stream:
             lightest = bucket_for(dataclasses.replace(lightest, optimizer_offload=True,
                                                       optimizer_overlap=False))
         best = lightest
@@ -165,7 +170,7 @@ def choose_knobs(config: Config, knobs: Knobs, platform: str, device_memory: int
             best = with_chunks(with_offload(knobs, model.num_layers if auto else None),
                                chunk_options[-1])
             best = dataclasses.replace(best, vocab_block=block_options[-1])
-            if auto:
+            if auto and may_stream:
                 best = bucket_for(dataclasses.replace(best, optimizer_offload=True,
                                                       optimizer_overlap=False))
             why = "nothing fits: the lightest setting"
@@ -186,6 +191,8 @@ def choose_knobs(config: Config, knobs: Knobs, platform: str, device_memory: int
                               f"{best.num_offloaded} of {model.num_layers} boundaries; {why} "
                               f"(a copy hides under the layer's compute when the link allows)"))
         choices.append(Choice("operators.optimizer_offload", best.optimizer_offload,
+                              "optimizer.update_on: host_cpu: the state stays in host memory, "
+                              "updated by the host CPU" if host_cpu else
                               f"{why} (on the device costs 12 bytes/param of device memory; "
                               f"offloaded costs the link: "
                               f"{rates.optimizer_seconds_per_param * 1e9:.2f} s per 1e9 params)"))

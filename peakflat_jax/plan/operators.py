@@ -10,6 +10,11 @@ fewest operators on. Where the standard stack fits, that is all off: nothing is 
 none fits, it is every ``auto`` operator on (the smallest peak), and the fit check that follows
 refuses the run with its table of terms. With the device's memory unknown, nothing binds: all
 off.
+
+The host-CPU optimizer (``optimizer.update_on: host_cpu``, ZeRO-Offload's placement) is not one
+of the choices: it is the standard stack's answer to the optimizer's peak, taken only where a
+user sets it, and with it the streamed optimizer is off (``resolve_host_cpu``): its state is
+already in host memory, updated there.
 """
 
 from __future__ import annotations
@@ -29,8 +34,23 @@ ON = {name: values[1] for name, values in CHOICES.items()}
 """Every operator on: what ``--auto``'s knob search starts from."""
 
 
+def resolve_host_cpu(config: Config) -> tuple[Config, list[Choice]]:
+    """With ``optimizer.update_on: host_cpu``, ``operators.optimizer_offload: auto`` resolved to
+    false (the state is in host memory and the host CPU updates it: nothing to stream), and the
+    Choice that says so; any other config as it is."""
+    if (config.optimizer.update_on != "host_cpu"
+            or config.operators.optimizer_offload != "auto"):
+        return config, []
+    return config.replace(operators={"optimizer_offload": False}), [Choice(
+        "operators.optimizer_offload", False,
+        "optimizer.update_on: host_cpu: the state is in host memory and the host CPU updates it "
+        "(the standard stack's placement), so nothing is streamed")]
+
+
 def with_operators_on(config: Config) -> Config:
-    """The config with its ``auto`` operators on (``ON``)."""
+    """The config with its ``auto`` operators on (``ON``; the streamed optimizer off with
+    ``optimizer.update_on: host_cpu``, ``resolve_host_cpu``)."""
+    config, _ = resolve_host_cpu(config)
     auto = config.operators.chosen_by_planner
     return config.replace(operators={name: ON[name] for name in auto}) if auto else config
 
@@ -42,9 +62,10 @@ def choose_operators(config: Config, num_devices: int, *, context: int | None,
     saying why."""
     from peakflat_jax.plan.knobs import choose_knobs, knobs_from_config
 
+    config, resolved = resolve_host_cpu(config)
     auto = config.operators.chosen_by_planner
     if not auto:
-        return config, []
+        return config, resolved
     candidates = []
     for values in itertools.product(*(CHOICES[name] for name in auto)):
         chosen = dict(zip(auto, values))
@@ -64,9 +85,9 @@ def choose_operators(config: Config, num_devices: int, *, context: int | None,
     else:
         plan, chosen, _ = min(candidates, key=lambda c: (c[0].total_bytes, -c[2]))
     off = next(c[0] for c in candidates if c[2] == 0)
-    return plan.config, [Choice(f"operators.{name}", value, _why(name, value, plan, off,
-                                                                 bool(fitting)))
-                         for name, value in chosen.items()]
+    return plan.config, resolved + [Choice(f"operators.{name}", value,
+                                           _why(name, value, plan, off, bool(fitting)))
+                                    for name, value in chosen.items()]
 
 
 def choose_layer_loop(config: Config, knobs, platform: str) -> tuple[Config, list[Choice]]:

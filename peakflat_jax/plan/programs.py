@@ -158,8 +158,10 @@ _REMEDIES = {
     "moe.": "bound the MoE's buffers: operators.moe_dispatch: pipelined with a smaller "
             "operators.token_budget (null: the planner's choice)",
     "loss.": "bound the loss: operators.loss: ring, a smaller operators.vocab_block",
-    "master": "move the optimizer's state to host memory: operators.optimizer_offload: true",
-    "moments": "move the optimizer's state to host memory: operators.optimizer_offload: true",
+    "master": "move the optimizer's state to host memory: operators.optimizer_offload: true "
+              "(or, the standard stack's way, optimizer.update_on: host_cpu)",
+    "moments": "move the optimizer's state to host memory: operators.optimizer_offload: true "
+               "(or, the standard stack's way, optimizer.update_on: host_cpu)",
     "attention.scores": "use cuDNN attention (operators.attention: cudnn, a GPU and bf16): the "
                         "XLA kernel materializes T x T scores",
     "params": "spread the weights over more devices",

@@ -14,6 +14,12 @@ from peakflat_jax.train.data import causal_pairs_per_sequence
 # ----------------------------------------------------------------------------------------------
 # Measured rates.
 
+HOST_ADAMW_RECORD = "host_adamw_cpu_20261201-172306.json"
+"""The record (scripts/results/) of the host-CPU AdamW rate: the 2-core dev CPU, no GPU."""
+HOST_ADAMW_SECONDS_PER_PARAM = 0.23030315899814013 / 64_000_000
+"""That record's bf16 case at 6.4e7 parameters: 3.60 s per 1e9 on the 2-core dev CPU (shared:
+its load average was ~4.8; docs/offload_adamw.md)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Rates:
@@ -40,6 +46,11 @@ class Rates:
     moe_chunk_seconds: float = (0.7097738239999956 - 0.5835472699999968) / 4
     """One more MoE chunk, per layer, forward + backward (moe_dispatch_gpu_20261130-090350:
     pipelined at c = 6554 (5 chunks) against LLEP (1 chunk), N = 32,768, 2 H200s)."""
+    host_adamw_seconds_per_param: float = HOST_ADAMW_SECONDS_PER_PARAM
+    """The host-CPU AdamW's update per parameter (``optimizer.update_on: host_cpu``: clipped,
+    bf16 working params), the copies apart. MEASURED ON THE 2-CORE DEV CPU, NOT THE GPU HOST
+    (scripts/probes/probe_host_adamw.py, ``HOST_ADAMW_RECORD``): a GPU host's cores run it
+    faster; rerun the probe there and pass ``--rate host_adamw_seconds_per_param=...``."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -55,8 +66,10 @@ def attention_fraction(config: Config, context: int) -> float:
 def step_seconds(config: Config, knobs: Knobs, rates: Rates = Rates()) -> float:
     """An estimate of one step's time on a device: the model's matmuls with one recompute of
     every layer, attention, the Ulysses exchanges, the MoE's extra chunks, the boundary copies
-    that do not hide under a layer's compute, and the offloaded optimizer's streaming (what of
-    it the forward does not hide, when overlapped)."""
+    that do not hide under a layer's compute, the offloaded optimizer's streaming (what of
+    it the forward does not hide, when overlapped), and the host-CPU optimizer's update with
+    its copies (gradients down, params up, P * b bytes each at the host link's rate), after
+    the backward and before the next step: nothing hides them."""
     model = config.model
     n, width = knobs.tokens_per_device, knobs.num_devices
     itemsize = jnp.dtype(model.dtype).itemsize
@@ -93,4 +106,13 @@ def step_seconds(config: Config, knobs: Knobs, rates: Rates = Rates()) -> float:
         # the optimizer on the device, h200_1_train_scan_gpu_20261201-105253.json).
         if knobs.optimizer_overlap and config.operators.layer_loop != "scan":  # auto: unrolled
             optimizer = max(0.0, optimizer - compute / 4)
+    elif config.optimizer.update_on == "host_cpu":
+        from peakflat_jax.optim.host_cpu_adamw import host_cpu_adamw_link_bytes
+
+        params = model_weights(model, width).param_count
+        copies = sum(host_cpu_adamw_link_bytes(params, model.dtype).values())
+        # One process (host_cpu runs in one): its CPU updates every device's shards, each
+        # device's copies cross its own link.
+        optimizer = (width * params * rates.host_adamw_seconds_per_param
+                     + copies / rates.host_link_bytes)
     return compute + ulysses + moe + boundaries + optimizer

@@ -134,9 +134,11 @@ def _lightest(config: Config, knobs: Knobs, auto: bool) -> Knobs:
     if knobs.loss == "ring" and (auto or ops.vocab_block is None):
         knobs = dataclasses.replace(knobs, vocab_block=block_choices(config, knobs)[-1])
     if auto:
-        knobs = dataclasses.replace(knobs, offload=(True,) * model.num_layers,
-                                    optimizer_offload=True, optimizer_overlap=False,
-                                    bucket_params=min(knobs.bucket_params, 1_000_000), slots=2)
+        knobs = dataclasses.replace(knobs, offload=(True,) * model.num_layers)
+        if config.optimizer.update_on != "host_cpu":  # its state is in host memory already
+            knobs = dataclasses.replace(knobs, optimizer_offload=True, optimizer_overlap=False,
+                                        bucket_params=min(knobs.bucket_params, 1_000_000),
+                                        slots=2)
     return knobs
 
 

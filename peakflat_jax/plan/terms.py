@@ -16,6 +16,7 @@ from peakflat_jax import mesh as mop
 from peakflat_jax.config import Config, ConfigError
 from peakflat_jax.ops import ring_cross_entropy as ring_module
 from peakflat_jax.ops import sco as sco_module
+from peakflat_jax.optim import host_cpu_adamw as host_cpu_module
 from peakflat_jax.optim import offload_adamw as offload_module
 from peakflat_jax.optim import on_device_adamw as device_adamw_module
 
@@ -26,6 +27,8 @@ MEMORY_FORMULAS: dict[str, str] = {
     "params": "P * b: this device's weight shards (FSDP dense, EP experts, vocab-split "
               "embedding and head; a leaf W divides nowhere is whole)",
     "grads": "P * b: their gradients, placed alike",
+    "optimizer_update_host_cpu": "0: the update runs on the host CPU (optimizer.update_on: "
+                                 "host_cpu), its state and transit are host terms",
     "router_bias": "2 * L_m * E * 4: the router's balancing bias (fp32, replicated), in and out",
     "batch": "4 * N * 4: tokens, targets, positions, segment ids (int32)",
     "gathered_weights": "2 * D_l * b: the layer's dense weights all-gathered whole, and their "
@@ -175,6 +178,8 @@ class WeightBytes:
     """Per stack: one layer's non-expert weights, whole, bytes (what the layer gathers)."""
     embedding_whole: int
     """The embedding table [V', H], whole, bytes."""
+    largest_leaf: int = 0
+    """The largest trainable leaf's elements, whole (all its shards)."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -193,7 +198,7 @@ def model_weights(model_config, num_devices: int) -> WeightBytes:
     stacks = {"dense_layers": "dense", "moe_layers": "moe"}
     layers = {"dense": model_config.num_dense_layers,
               "moe": model_config.num_layers - model_config.num_dense_layers}
-    count = param_bytes = embedding = 0
+    count = param_bytes = embedding = largest = 0
     shard = {"dense": 0, "moe": 0}
     whole = {"dense": 0, "moe": 0}
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
@@ -203,6 +208,7 @@ def model_weights(model_config, num_devices: int) -> WeightBytes:
         itemsize = jnp.dtype(leaf.dtype).itemsize
         count += local
         param_bytes += local * itemsize
+        largest = max(largest, math.prod(leaf.shape))
         if names == ("embedding",):
             embedding = math.prod(leaf.shape) * itemsize
         stack = stacks.get(names[0])
@@ -213,7 +219,8 @@ def model_weights(model_config, num_devices: int) -> WeightBytes:
     extra_bytes = sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
                       for leaf in jax.tree.leaves(extras))
     return WeightBytes(param_count=count, params=param_bytes, extras=extra_bytes,
-                       layer_shard=shard, layer_whole_dense=whole, embedding_whole=embedding)
+                       layer_shard=shard, layer_whole_dense=whole, embedding_whole=embedding,
+                       largest_leaf=largest)
 
 
 def _shard_shape(shape, spec, num_devices: int) -> tuple[int, ...]:
@@ -266,8 +273,10 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
         for key, value in values.items():
             add(f"{prefix}{key}", value, live, formulas[key])
 
-    # Persistent state.
-    if knobs.optimizer_offload:
+    # Persistent state. On the host CPU (ZeRO-Offload's placement) the device keeps what the
+    # streamed optimizer leaves it: the weights and their gradients, no fp32 state.
+    host_cpu = config.optimizer.update_on == "host_cpu" and not knobs.optimizer_offload
+    if knobs.optimizer_offload or host_cpu:
         add("params", weights.params, "persistent")
         add("grads", weights.params, "persistent")
     else:
@@ -355,6 +364,12 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
                 "on CPU, where XLA updates in place")
         if knobs.optimizer_overlap:
             add("overlap.moe_layer_weights", 2 * num_moe * weights.layer_shard["moe"], "overlap")
+    elif host_cpu:
+        add("optimizer_update", 0, "update", MEMORY_FORMULAS["optimizer_update_host_cpu"])
+        host = host_cpu_module.host_cpu_adamw_host_terms(
+            weights.param_count, model.dtype, largest_leaf=weights.largest_leaf,
+            num_devices=width, clipped=config.optimizer.max_grad_norm is not None)
+        add_all("host.", host, "host", host_cpu_module.MEMORY_FORMULAS)
     elif platform == "gpu":
         # XLA:GPU fuses AdamW into elementwise loops over the donated state: h200-1's whole
         # train step at 16K tokens held 8.85 GiB of temporaries in all, where one fp32 copy of

@@ -1,13 +1,17 @@
 """The run's optimizer: AdamW with warm-up, cosine decay and global-norm clipping, its state in
-host memory (``pf.offload_stream``) or on the device (``optax.adamw``, sharded like the
-params). The schedule runs on the host: each step's rate (and the other hyperparameters) go
-into the state before the step, so the compiled step does not depend on them.
+host memory streamed through the device (``pf.offload_stream``), on the device (``optax.adamw``,
+sharded like the params, ``DeviceAdamW``), or in host memory updated by the host CPU
+(``HostCpuAdamW``, ZeRO-Offload's placement: ``optimizer.update_on: host_cpu``). The schedule
+runs on the host: each step's rate (and the other hyperparameters) go into the state before the
+step, so the compiled step does not depend on them.
 
-Both keep an fp32 master copy of every weight and give the model its working dtype: the
-offloaded one in host memory by design, the device one on the device when the working dtype
-is narrower than fp32 (mixed precision's usual 16 bytes per parameter: bf16 weight and gradient,
-fp32 master and two moments). So switching the operator changes where the state lives, never
-the update: both apply optax.adamw's arithmetic to the fp32 master.
+All keep an fp32 master copy of every weight and give the model its working dtype: the
+offloaded and host-CPU ones in host memory by design, the device one on the device when the
+working dtype is narrower than fp32 (mixed precision's usual 16 bytes per parameter: bf16
+weight and gradient, fp32 master and two moments). So switching the placement changes where
+the state lives and which processor updates it, never the update: each applies optax.adamw's
+arithmetic to the fp32 master (``DeviceAdamW.update_master``, shared by the device and the
+host-CPU placements).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 
 from peakflat_jax.config import OptimizerConfig
 from peakflat_jax.optim.offload_stream import OffloadStreamState, offload_stream
@@ -62,8 +67,8 @@ def hyperparams_at(config: OptimizerConfig, schedule: optax.Schedule, step: int)
 
 
 def with_hyperparams(opt_state, values: dict):
-    """``opt_state`` (a DeviceAdamW's or an OffloadStreamState) with its injected
-    hyperparameters set to ``values``, each placed where the old value was."""
+    """``opt_state`` (a DeviceAdamW's, a HostCpuAdamW's or an OffloadStreamState) with its
+    injected hyperparameters set to ``values``, each placed where the old value was."""
     def replace(path, leaf):
         # Dict entries are DictKeys (.key), the state's fields GetAttrKeys (.name).
         keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
@@ -88,9 +93,11 @@ class DeviceAdamW:
     Its hyperparameters are set per step with ``with_hyperparams``."""
 
     def __init__(self, config: OptimizerConfig):
+        self.max_grad_norm = config.max_grad_norm
+        self.adamw = injected_adamw(config)
         clip = (optax.clip_by_global_norm(config.max_grad_norm)
                 if config.max_grad_norm is not None else optax.identity())
-        self.transformation = optax.chain(clip, injected_adamw(config))
+        self.transformation = optax.chain(clip, self.adamw)  # its state: (clip's, adamw's)
 
     def init(self, params):
         """(fp32 master or None where the params are fp32 already, optax state)."""
@@ -102,13 +109,166 @@ class DeviceAdamW:
     def update(self, grads, params, state):
         master, optax_state = state
         target = params if master is None else master
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        updates, optax_state = self.transformation.update(grads, optax_state, target)
-        target = optax.apply_updates(target, updates)
+        target, optax_state = self.update_master(grads, target, optax_state)
         if master is None:
             return target, (None, optax_state)
         working = jax.tree.map(lambda m, p: m.astype(p.dtype), target, params)
         return working, (target, optax_state)
+
+    def update_master(self, grads, master, optax_state):
+        """(new fp32 master, new optax state): the gradients upcast to fp32, clipped, AdamW's
+        update applied to ``master``: the arithmetic of every placement."""
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        updates, optax_state = self.transformation.update(grads, optax_state, master)
+        return optax.apply_updates(master, updates), optax_state
+
+
+class HostCpuAdamW:
+    """``DeviceAdamW``'s update on the host CPU, its state in host memory: ZeRO-Offload's
+    placement (DeepSpeed's CPU Adam), the standard stack's optimizer where the device cannot
+    hold the state (``optimizer.update_on: host_cpu``).
+
+    The state, ``(fp32 master, optax state)`` of ``DeviceAdamW``'s structure, lives on the
+    host's CPU device (jax's CPU backend; one device: the whole model's update is one program,
+    XLA:CPU spreads its loops over the host's cores). Each ``step(grads, state)``: the
+    gradients go device -> host (P * b bytes, b the working dtype's); one CPU program, its
+    inputs donated, takes the global norm of the upcast gradients (optax's ``tree.norm``), then
+    updates the leaves one after another: each leaf's gradient upcast and clipped as
+    ``optax.clip_by_global_norm`` clips it given that norm, the injected AdamW
+    (``DeviceAdamW.adamw``, the same optax update) applied to the leaf's master and moments in
+    place, its new working params written over its gradients; the gradients' buffers, now the
+    working params, go host -> device (P * b bytes) to where the gradients came from, which is
+    where the params were (the gradient program places them alike). Nothing of the optimizer is
+    on the device; the host holds 12 bytes a parameter of state, the gradients in the working
+    dtype and one leaf's fp32 clipped gradient (``peakflat_jax.optim.host_cpu_adamw``'s terms).
+
+    Why leaf after leaf (an optimization barrier ties each leaf's gradient to the previous
+    leaf's results): updating the whole tree at once, XLA:CPU kept every leaf's clipped fp32
+    gradient alive together, 4 bytes a parameter more host memory than the state, 27 GiB for a
+    7.4B-parameter model, past what an H200's host has beside the state. AdamW is elementwise,
+    so a leaf's numbers are the tree's (the norm is the whole tree's, the step count one for
+    all): the same optax arithmetic as the device's. On one device the optax state (moments,
+    counts) comes out bit for bit the device's and the master within an ulp or two a step (XLA
+    compiles the two programs' bias corrections apart; tests/test_train_optimizer.py). Why a
+    program of its own on the CPU backend rather than ``compute_on("device_host")`` inside the
+    step: that is the baseline as ZeRO-Offload runs it (gradients down, a CPU optimizer,
+    weights up). One process only: its state is one process's host arrays
+    (``config.check_config`` refuses more)."""
+
+    def __init__(self, config: OptimizerConfig):
+        self.device_adamw = DeviceAdamW(config)
+        self.host = jax.local_devices(backend="cpu")[0]
+        self.host_sharding = jax.sharding.SingleDeviceSharding(self.host)
+        # The gradients (host copies, made for the update) and the state are donated: the new
+        # state overwrites the old in place and the working params overwrite the gradients.
+        self._update = jax.jit(self._host_update, donate_argnums=(0, 1))
+        self._executables: dict = {}
+
+    def init(self, params):
+        """(fp32 master, optax state) of ``params``, on the host CPU device: the params come
+        down once."""
+        host_params = jax.device_put(params, self.host_sharding)
+        return jax.jit(self._host_init, out_shardings=self.host_sharding)(host_params)
+
+    def abstract_state(self, params):
+        """ShapeDtypeStructs of ``init(params)``'s state, placed on the host CPU device:
+        what a resume restores into."""
+        shapes = jax.eval_shape(self._host_init, params)
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                           sharding=self.host_sharding), shapes)
+
+    def step(self, grads, state):
+        """(new working params on the device, placed as ``grads``; the new host state).
+        ``state`` is consumed."""
+        shardings = jax.tree.map(lambda g: g.sharding, grads)
+        # A copy always (where the gradients are on the host device already, too): it is
+        # donated to the update, and the caller's arrays stay theirs.
+        host_grads = jax.device_put(grads, self.host_sharding, may_alias=False)
+        working, state = self._executable(host_grads, state)(host_grads, state)
+        return jax.device_put(working, shardings), state
+
+    def lower(self, params, state):
+        """The host update lowered for gradients shaped like ``params`` (on the host CPU) and
+        ``state``: ``.compile()`` it to read XLA's plan (tests, ``--check``)."""
+        return self._update.lower(self._host_grads_like(params), state)
+
+    def compile(self, params, state) -> bool:
+        """Compiles the host update for ``params``' shapes ahead of the first step; False where
+        this object had compiled it already."""
+        grads = self._host_grads_like(params)
+        compiled = self._key(grads, state) not in self._executables
+        self._executable(grads, state)
+        return compiled
+
+    def _executable(self, grads, state):
+        key = self._key(grads, state)
+        if key not in self._executables:
+            self._executables[key] = self._update.lower(grads, state).compile()
+        return self._executables[key]
+
+    @staticmethod
+    def _key(grads, state) -> tuple:
+        return (jax.tree.structure((grads, state)),
+                tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(grads)))
+
+    def _host_grads_like(self, params):
+        return jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype,
+                                                           sharding=self.host_sharding), params)
+
+    def _host_init(self, params):
+        master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+        return master, self.device_adamw.transformation.init(master)
+
+    def _host_update(self, grads, state):
+        """(working params, new state): the class doc's program."""
+        master, (clip_state, adamw_state) = state
+        grad_leaves, treedef = jax.tree.flatten(grads)
+        max_norm = self.device_adamw.max_grad_norm
+        norm = (None if max_norm is None else
+                optax.tree.norm([g.astype(jnp.float32) for g in grad_leaves]))
+        # AdamW's state: subtrees shaped like the params (the moments), taken leaf by leaf, and
+        # shared leaves (the step count, the hyperparameters).
+        shapes = [g.shape for g in grad_leaves]
+
+        def per_param(node) -> bool:
+            return (jax.tree.structure(node) == treedef
+                    and [getattr(x, "shape", None) for x in jax.tree.leaves(node)] == shapes)
+
+        nodes, outer = jax.tree.flatten(adamw_state, is_leaf=per_param)
+        moments = [j for j, node in enumerate(nodes) if per_param(node)]
+        moment_leaves = {j: treedef.flatten_up_to(nodes[j]) for j in moments}
+
+        def adamw_of(leaves: dict):
+            """AdamW's state with each per-parameter subtree replaced by one leaf's array."""
+            return outer.unflatten([leaves.get(j, node) for j, node in enumerate(nodes)])
+
+        working, new_master, new_moments = [], [], {j: [] for j in moments}
+        done = ()
+        for i, (grad, leaf_master) in enumerate(zip(grad_leaves,
+                                                    treedef.flatten_up_to(master))):
+            # Leaf i starts once leaf i - 1 is done: its fp32 temporaries are dead by then.
+            grad, _ = lax.optimization_barrier((grad, done))
+            piece = grad.astype(jnp.float32)
+            if norm is not None:  # optax.clip_by_global_norm, given the global norm
+                piece = lax.select(norm < max_norm, piece,
+                                   (piece / norm.astype(piece.dtype)) * max_norm)
+            updates, new = self.device_adamw.adamw.update(
+                piece, adamw_of({j: moment_leaves[j][i] for j in moments}), leaf_master)
+            leaf_master = optax.apply_updates(leaf_master, updates)
+            new_nodes = outer.flatten_up_to(new)
+            for j in moments:
+                new_moments[j].append(new_nodes[j])
+            working.append(leaf_master.astype(grad.dtype))
+            new_master.append(leaf_master)
+            done = (working[-1], leaf_master, *(new_nodes[j] for j in moments))
+        # The shared leaves advance without looking at any element: an empty leaf's update.
+        empty = jnp.zeros((0,), jnp.float32)
+        _, advanced = self.device_adamw.adamw.update(empty, adamw_of(dict.fromkeys(moments,
+                                                                                   empty)), empty)
+        new_nodes = [treedef.unflatten(new_moments[j]) if j in new_moments else shared
+                     for j, shared in enumerate(outer.flatten_up_to(advanced))]
+        return (treedef.unflatten(working),
+                (treedef.unflatten(new_master), (clip_state, outer.unflatten(new_nodes))))
 
 
 def make_offloaded(config: OptimizerConfig):

@@ -2,9 +2,11 @@
 
 Per step: a global batch from the data pipeline (each process feeds its rows), the loss and
 gradients in one compiled program (the layer stack through SCO, the loss through Ring-DTP, as
-configured), then AdamW: fused into the same program when its state is on the device, or
-``pf.offload_stream_adamw``'s own program when its state is in host memory. The router's
-balancing bias moves after every step from that step's per-expert counts.
+configured), then AdamW: fused into the same program when its state is on the device,
+``pf.offload_stream_adamw``'s own program when its state is in host memory streamed through the
+device, or a program on the host CPU when it is updated there (``optimizer.update_on:
+host_cpu``: the gradients down, the new params up). The router's balancing bias moves after
+every step from that step's per-expert counts.
 
 Before compiling: the config's keys and values, the mesh against the model and batch, and the
 planner's closed-form bound against the device's memory (``peakflat_jax.plan``). After
@@ -58,6 +60,7 @@ from peakflat_jax.train import metrics as report
 from peakflat_jax.train import run_dir as run_dirs
 from peakflat_jax.train.optimizer import (
     DeviceAdamW,
+    HostCpuAdamW,
     hyperparams_at,
     learning_rate_schedule,
     make_offloaded,
@@ -145,6 +148,11 @@ class Trainer:
         self.run_dir = pathlib.Path(run_dir or config.train.run_dir.format(name=config.name))
         self.total_steps = config.train.steps
         self.offloaded_optimizer = config.operators.optimizer_offload
+        # ZeRO-Offload's placement: the state in host memory, updated by the host CPU.
+        self.host_cpu_optimizer = config.optimizer.update_on == "host_cpu"
+        if self.host_cpu_optimizer and jax.process_count() > 1:
+            raise ConfigError(f"optimizer.update_on: host_cpu runs in one process (its host "
+                              f"state is one process's), this run has {jax.process_count()}")
         # Overlapping hides the MoE layers' updates under the forward: without MoE layers there
         # is nothing to hide them under.
         self.overlap = (self.offloaded_optimizer and config.operators.optimizer_overlap
@@ -175,6 +183,13 @@ class Trainer:
             # that overlapping changes no bit.
             make = self.optimizer.abstract_state if abstract else self.optimizer.init
             opt_state = make(params, stacked_layers=moe_stack_mask(params))
+        elif self.host_cpu_optimizer:
+            # One per structure in a process, as above: its compiled host update is reused.
+            key = json.dumps({"update_on": "host_cpu",
+                              **_structural_optimizer_fields(self.config)}, sort_keys=True)
+            self.optimizer = _OPTIMIZERS.setdefault(key, HostCpuAdamW(self.config.optimizer))
+            make = self.optimizer.abstract_state if abstract else self.optimizer.init
+            opt_state = make(params)
         else:
             self.optimizer = DeviceAdamW(self.config.optimizer)
             # The master and moments sharded like the params (FSDP), the step counts
@@ -237,6 +252,12 @@ class Trainer:
             return
         if self.offloaded_optimizer:
             self._gradient_step = self.gradient_program(state, batch)
+            return
+        if self.host_cpu_optimizer:
+            self._gradient_step = self.gradient_program(state, batch)
+            started = time.perf_counter()
+            if self.optimizer.compile(state.params, state.opt_state):  # False: reused
+                self.compile_seconds["the host CPU update"] = time.perf_counter() - started
             return
 
         def train_step(params, extras, opt_state, batch):
@@ -331,7 +352,7 @@ class Trainer:
                 state.params, state.extras, state.opt_state, pending, batch,
                 self._replicated(not first))
             return TrainState(params, extras, opt_state, state.step + 1, grads), metrics
-        if self.offloaded_optimizer:
+        if self.offloaded_optimizer or self.host_cpu_optimizer:
             metrics, grads, extras = self._gradient_step(state.params, state.extras, batch)
             jax.tree.map(lambda a: a.delete(), state.params)  # the optimizer writes new ones
             params, opt_state = self.optimizer.step(grads, state.opt_state)
@@ -644,12 +665,18 @@ class Trainer:
                 f"({counts.expert_total / 1e6:.2f}M in experts) on {mop.describe(self.mesh)}; "
                 f"moe {ops.moe_dispatch}, loss {ops.loss}, offload {sum(self.offload)}/"
                 f"{len(self.offload)} boundaries, optimizer "
-                f"{'offloaded' if self.offloaded_optimizer else 'on device'}, attention "
+                f"{self.optimizer_placement()}, attention "
                 f"{self.runtime.attention}; step {state.step} of {self.total_steps}"
                 + (f"\n{chosen}" if (chosen := describe_operators(self.plan.choices)) else "")
                 + (f"\npinned-host pool limit {cap} GiB ({LIMIT_VARIABLE})"
                    if self.plan.platform == "gpu" and (cap := os.environ.get(LIMIT_VARIABLE))
                    else ""))
+
+    def optimizer_placement(self) -> str:
+        """Where the optimizer's state lives and its update runs, in words."""
+        if self.offloaded_optimizer:
+            return "offloaded"
+        return "on the host CPU" if self.host_cpu_optimizer else "on device"
 
     def summary(self, history: list[dict], state: TrainState) -> dict:
         timed = history[1:] or history  # the first step's time includes warming up
