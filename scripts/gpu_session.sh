@@ -19,8 +19,11 @@
 #               peak, by op_name: *-live-range.txt) and buffer assignment: the overlapped step at
 #               64K (a lower dense-FFN term took the plan under it) and all off at 256K (plan
 #               1.38x: the dense FFN's fp32 term is 3x what XLA keeps)
-#   e2e_*       issue 27: h200-e2e's standard stack at 20K and 22K (its longest: 20K fits, 24K
-#               does not) and ours at 128K and 256K (auto), 3 steps each
+#   host_adamw  the host-CPU AdamW's rate on the GPU host (the plan's default is the dev CPU's)
+#   e2e_*       issue 27: h200-e2e's standard stack with its AdamW on the host CPU at 32K
+#               (ZeRO-Offload's placement: optimizer.update_on=host_cpu), with it on the device
+#               at 20K and 22K (its longest: 20K fits, 24K does not), and ours at 128K and 256K
+#               (auto), 3 steps each
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -74,7 +77,13 @@ dump() {  # dump NAME MODULE_RE OVERRIDES...: plan --check with XLA's GPU dumps 
 dump on64k overlapped "${ON[@]}"
 dump off256k train_step data.seq_len=262144 "${ALL_OFF[@]}" train.device_memory_gib=1000 \
   --device-memory 1000
+run host_adamw 200 python3 scripts/probes/probe_host_adamw.py --sizes 1.6e7,2.56e8 \
+  --machine "nvidia-h200's host (16 cores)" --out-dir "$LOGS"
 export PEAKFLAT_JAX_CACHE=/tmp/cache
+# ZeRO-Offload's placement for the standard stack where its AdamW does not fit the device.
+run e2e_hostcpu_32768 300 "${train[@]}" h200-e2e data.seq_len=32768 train.steps=3 \
+  "${ALL_OFF[@]}" optimizer.update_on=host_cpu train.device_memory_gib=1000000 "${nc[@]}" \
+  --run-dir /tmp/r-e2e-hostcpu; keep /tmp/r-e2e-hostcpu e2e_hostcpu_32768
 for n in 20480 22528; do
   run e2e_off_$n 200 "${train[@]}" h200-e2e data.seq_len=$n train.steps=3 "${ALL_OFF[@]}" \
     train.device_memory_gib=1000000 "${nc[@]}" --run-dir /tmp/r-e2e-off-$n
