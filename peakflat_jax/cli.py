@@ -213,7 +213,8 @@ def _train(args: argparse.Namespace) -> int:
         return stop.exit_status
     except OutOfMemory as failure:  # a run that failed, not bad input: status 1
         lifted = ("drop train.device_memory_gib to have the planner hold the run to the "
-                  "device, or " if config.train.device_memory_gib else "")
+                  "device, or " if config.train.device_memory_gib
+                  and "out of device memory" in str(failure) else "")
         plan = plan_command(args.config, args.overrides)
         print(f"peakflat train: {failure}; {lifted}see `{plan}` for the terms and what to "
               f"change", file=sys.stderr)

@@ -9,7 +9,7 @@ import pytest
 
 from peakflat_jax.config import load_config
 from peakflat_jax.plan import host_pool, make_plan
-from peakflat_jax.plan.terms import PINNED_TERMS
+from peakflat_jax.plan.terms import PINNED_TERMS, pool_limit
 
 RESULTS = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "results"
 GIB = 2**30
@@ -95,3 +95,16 @@ def test_a_state_past_the_default_pool_does_not_fit_the_host(environ):
                         search_context=False)
     assert default.fits_host is False and planned.fits_host is True
     assert "device.pinned_host_pool: planned" in default.reasons()[-1]
+
+
+def test_a_device_count_only_the_machine_knows_leaves_xla_s_pool(environ):
+    """No device.count and mesh.seq: -1 (the rest of the devices): before the backend nothing
+    can plan the cap, so the run sets none and the plan models XLA's own pool, not a cap that
+    was never set; a config planned for a CPU neither."""
+    config = load_config("h200-1", [*ON, "device.count=null", "mesh.seq=-1"])
+    assert not host_pool.planned_cap_applies(config)
+    assert host_pool.cap_from_plan(config) is None and host_pool.LIMIT_VARIABLE not in environ
+    assert host_pool.planned_cap_applies(load_config("h200-1", ON))
+    assert not host_pool.planned_cap_applies(load_config("h200-1", [*ON, "device.platform=cpu"]))
+    pinned = [200 * 2**20] * 10
+    assert pool_limit(config, pinned) == host_pool.XLA_DEFAULT_LIMIT_GIB * GIB

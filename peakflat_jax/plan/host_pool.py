@@ -90,6 +90,25 @@ def set_limit_gib() -> int | None:
         return None
 
 
+def planned_devices(config) -> int | None:
+    """The devices ``cap_from_plan`` plans for before any backend starts: ``device.count``,
+    else ``mesh.data x mesh.seq`` where both are given; None where only the machine can say
+    (``mesh.seq: -1``, the rest of its devices)."""
+    if config.device.count:
+        return config.device.count
+    data, seq = config.mesh.data, config.mesh.seq
+    return data * seq if data > 0 and seq > 0 else None
+
+
+def planned_cap_applies(config) -> bool:
+    """Whether a run of ``config`` caps the pool from its plan (``cap_from_plan``): a GPU config
+    with ``device.pinned_host_pool: planned`` whose device count is known before the backend
+    starts. The planner models the same cap exactly where this holds (``terms.pool_limit``),
+    and XLA's own elsewhere."""
+    return (config.device.platform == "gpu" and config.device.pinned_host_pool == "planned"
+            and planned_devices(config) is not None)
+
+
 def cap_from_plan(config) -> int | None:
     """Sets ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` for ``config`` and returns it (GiB): on a GPU
     config with ``device.pinned_host_pool: planned`` that can pin something, where the variable
@@ -104,13 +123,10 @@ def cap_from_plan(config) -> int | None:
     from peakflat_jax.plan.search import make_plan
     from peakflat_jax.plan.terms import pinned_allocations
 
-    device = config.device
-    if (device.platform != "gpu" or device.pinned_host_pool != "planned"
-            or LIMIT_VARIABLE in os.environ):
+    if not planned_cap_applies(config) or LIMIT_VARIABLE in os.environ:
         return None
-    count = device.count or config.mesh.data * (config.mesh.seq or 1)
-    plan = make_plan(with_operators_on(config), count, platform="gpu", baseline=False,
-                     search_context=False)
+    plan = make_plan(with_operators_on(config), planned_devices(config), platform="gpu",
+                     baseline=False, search_context=False)
     allocations = pinned_allocations(plan.knobs, plan.terms)
     if not allocations:
         return None

@@ -412,11 +412,12 @@ def pinned_allocations(knobs: Knobs, terms) -> list[int]:
 
 
 def pool_limit(config: Config, pinned: list[int]) -> int:
-    """The pinned-host pool's limit, in bytes: the environment's where it is set, else the
-    cap ``device.pinned_host_pool`` gives (``planned``: from these arrays; ``xla``: XLA's)."""
+    """The pinned-host pool's limit, in bytes: the environment's where it is set, else the cap
+    the run will set (``device.pinned_host_pool: planned`` where ``planned_cap_applies``: from
+    these arrays), else XLA's own."""
     if (limit := host_pool.set_limit_gib()) is not None:
         return limit * host_pool.GIB
-    if config.device.pinned_host_pool == "planned":
+    if host_pool.planned_cap_applies(config):  # the cap the run sets (cap_from_plan)
         return host_pool.planned_limit_gib(pinned) * host_pool.GIB
     return host_pool.XLA_DEFAULT_LIMIT_GIB * host_pool.GIB
 

@@ -21,6 +21,8 @@ import jax
 _SIZE = re.compile(r"allocat\w*\s+(?:request for\s+)?([0-9][0-9.]*)\s*([KMGT]i?B|bytes|B)\b")
 _EXECUTABLE = re.compile(r"executable_name='([^']+)'")
 _DEVICE = re.compile(r"on device (?:ordinal )?(\d+)")
+_ALLOCATOR = re.compile(r"with allocator (\S+)")
+_DEVICE_ALLOCATOR = re.compile(r"(GPU|gpu|cuda)_\d+_bfc")
 
 
 class OutOfMemory(Exception):
@@ -38,8 +40,13 @@ def describe(error: BaseException) -> str | None:
         return None
     executable, size, device = (_EXECUTABLE.search(message), _SIZE.search(message),
                                 _DEVICE.search(message))
+    allocator = _ALLOCATOR.search(message)
+    # The device's allocator (XLA:GPU's BFC) or, named apart, any other: the pinned-host pool
+    # at its cap, the host CPU's, a runtime's: not the device's memory, nor its advice.
+    memory = ("device memory" if allocator and _DEVICE_ALLOCATOR.fullmatch(allocator.group(1))
+              else f"memory of allocator {allocator.group(1)}" if allocator else "memory")
     where = f" in {executable.group(1)}" if executable else ""
     asked = [f"XLA tried to allocate {size.group(1)} {size.group(2)}" if size else "",
              f"on device {device.group(1)}" if device else ""]
     details = " ".join(part for part in asked if part)
-    return f"out of device memory{where}" + (f" ({details})" if details else "")
+    return f"out of {memory}{where}" + (f" ({details})" if details else "")

@@ -19,35 +19,57 @@ from peakflat_jax.bench import device_profile
 
 class StepProfiler:
     """Traces steps ``first + 1 .. first + count`` (1-based) of a run: call ``before(step)``
-    ahead of each step and ``after(step)`` once it is done (its results fetched)."""
+    ahead of each step and ``after(step, state)`` once it is done. A failure of the trace (or
+    of reading it back) is recorded in ``profile.json``, never raised: the run goes on."""
 
     def __init__(self, run_dir: pathlib.Path, first: int, count: int):
         self.directory = run_dir / "profile"
         self.first, self.last = first + 1, first + count
-        self.active = False
+        self.active = self.done = False
 
     def before(self, step: int) -> None:
-        """``step``: the step about to run (1-based)."""
-        if step == self.first and self.first <= self.last and jax.process_index() == 0:
-            jax.profiler.start_trace(str(self.directory))
-            self.active = True
+        """``step``: the step about to run (1-based); the trace starts at the first step of
+        the window that runs (a step skipped for want of a valid target is not traced)."""
+        if (not (self.active or self.done) and self.first <= step <= self.last
+                and jax.process_index() == 0):
+            self.first = step
+            try:
+                jax.profiler.start_trace(str(self.directory))
+                self.active = True
+            except Exception as error:  # noqa: BLE001 (a diagnostic never stops the run)
+                self.done = True
+                self._write({"steps": 0, "error": f"the profiler did not start: {error}"})
 
-    def after(self, step: int) -> str | None:
-        """``step``: the step just done (its results fetched). After the last traced one, stops
-        the trace and writes ``profile.json``; the line the run prints about it, or None."""
-        return self._stop(step) if self.active and step >= self.last else None
+    def after(self, step: int, state=None) -> str | None:
+        """``step``: the step just done; ``state``: what it made, waited for before the trace
+        stops (the optimizer's own program and its host copies may still run after the loss
+        is read). After the last traced step, stops the trace and writes ``profile.json``; the
+        line the run prints about it, or None."""
+        if not self.active or step < self.last:
+            return None
+        if state is not None:
+            jax.block_until_ready(state)
+        return self._stop(step)
 
     def close(self, step: int) -> str | None:
-        """At the end of the run (``step``: the last done): a trace the run stopped inside is
-        closed over the steps it holds."""
+        """At the end of the run (``step``: the last done), however it ends: a trace the run
+        stopped inside is closed over the steps it holds."""
         return self._stop(step) if self.active else None
 
     def _stop(self, step: int) -> str:
-        jax.profiler.stop_trace()
-        self.active = False
-        summary = summarize(self.directory, max(1, step - self.first + 1))
-        (self.directory.parent / "profile.json").write_text(json.dumps(summary, indent=1))
+        self.active, self.done = False, True
+        try:
+            jax.profiler.stop_trace()
+            summary = summarize(self.directory, max(1, step - self.first + 1))
+        except Exception as error:  # noqa: BLE001 (a diagnostic never stops the run)
+            summary = {"steps": max(0, step - self.first + 1),
+                       "error": f"the trace could not be read back: {error}"}
+        self._write(summary)
         return describe(summary, self.directory)
+
+    def _write(self, summary: dict) -> None:
+        self.directory.parent.mkdir(parents=True, exist_ok=True)
+        (self.directory.parent / "profile.json").write_text(json.dumps(summary, indent=1))
 
 
 def summarize(directory: pathlib.Path, steps: int) -> dict:

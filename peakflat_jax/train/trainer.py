@@ -595,7 +595,7 @@ class Trainer:
                     state, metrics = self.step(state, batch)
                     loss = float(metrics["loss"])  # waits for the step
                     seconds = time.perf_counter() - started
-                    if line := profiler.after(state.step):
+                    if line := profiler.after(state.step, (state.params, state.opt_state)):
                         bar.write(line)
                     if not history:
                         self.timeline.mark("first step")

@@ -16,7 +16,7 @@ they cross the link (priced at ``Rates.host_link_bytes``), here they would be me
 
 The machine is recorded with the numbers, and its load averages before and after (a shared
 machine's other work slows the medians). The default rate was measured on the 2-core dev CPU
-(no GPU), not on the GPU host, whose 16 cores ran optax.adamw about 5x faster per parameter
+(no GPU), not on the GPU host, whose 16 cores ran optax.adamw about 3x faster per parameter
 (docs/offload_adamw.md): rerun this there for a GPU plan's rate (``peakflat plan --rate``).
 """
 
