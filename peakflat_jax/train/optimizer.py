@@ -10,8 +10,8 @@ offloaded and host-CPU ones in host memory by design, the device one on the devi
 working dtype is narrower than fp32 (mixed precision's usual 16 bytes per parameter: bf16
 weight and gradient, fp32 master and two moments). So switching the placement changes where
 the state lives and which processor updates it, never the update: each applies optax.adamw's
-arithmetic to the fp32 master (``DeviceAdamW.update_master``, shared by the device and the
-host-CPU placements).
+arithmetic to the fp32 master (the host-CPU placement ``DeviceAdamW``'s own injected AdamW,
+leaf after leaf).
 """
 
 from __future__ import annotations
@@ -109,18 +109,13 @@ class DeviceAdamW:
     def update(self, grads, params, state):
         master, optax_state = state
         target = params if master is None else master
-        target, optax_state = self.update_master(grads, target, optax_state)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        updates, optax_state = self.transformation.update(grads, optax_state, target)
+        target = optax.apply_updates(target, updates)
         if master is None:
             return target, (None, optax_state)
         working = jax.tree.map(lambda m, p: m.astype(p.dtype), target, params)
         return working, (target, optax_state)
-
-    def update_master(self, grads, master, optax_state):
-        """(new fp32 master, new optax state): the gradients upcast to fp32, clipped, AdamW's
-        update applied to ``master``: the arithmetic of every placement."""
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        updates, optax_state = self.transformation.update(grads, optax_state, master)
-        return optax.apply_updates(master, updates), optax_state
 
 
 class HostCpuAdamW:
