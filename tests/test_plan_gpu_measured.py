@@ -276,3 +276,91 @@ def test_one_document_a_sequence_takes_one_run():
     assert packed_attention_runs(load_config("h200-1", ["data.source=synthetic"])) == 1
     assert packed_attention_runs(load_config("h200-1", ["data.max_segments=1"])) == 1
     assert packed_attention_runs(load_config("h200-1", [])) == 5
+
+
+SESSION2 = RESULTS / "h200_session_gpu_20261201-185430.json"
+# As the planner resolved operators auto in those runs (their banners).
+E2E_AUTO_128K = ["data.seq_len=131072", "operators.moe_dispatch=ep", "operators.loss=ring",
+                 "operators.offload=none", "operators.optimizer_offload=true"]
+E2E_AUTO_256K = ["data.seq_len=262144", "operators.moe_dispatch=pipelined", "operators.loss=ring",
+                 "operators.offload=all", "operators.optimizer_offload=true",
+                 "operators.token_budget=87382"]
+E2E_HOST_CPU_32K = ALL_OFF + ["data.seq_len=32768", "optimizer.update_on=host_cpu"]
+SESSION2_RUNS = {
+    # run -> (config, overrides, the plan's program)
+    "prof_on": ("h200-1", ON_UNROLLED, "overlapped"),
+    "prof_opt": ("h200-1", ["operators.optimizer_offload=true"], "overlapped"),
+    "e2e_hostcpu_32768": ("h200-e2e", E2E_HOST_CPU_32K, "gradient"),
+    "e2e_off_20480": ("h200-e2e", ALL_OFF + ["data.seq_len=20480"], "gradient"),
+    "e2e_off_22528": ("h200-e2e", ALL_OFF + ["data.seq_len=22528"], "gradient"),
+    "e2e_auto_131072": ("h200-e2e", E2E_AUTO_128K, "overlapped"),
+    "e2e_auto_262144": ("h200-e2e", E2E_AUTO_256K, "overlapped"),
+}
+SESSION2_DEVICE_OVER = {
+    "prof_opt": "1.36x (EP with the optimizer streamed: the overlap's MoE-weight term is not "
+                "live at XLA:GPU's peak)",
+    "e2e_auto_131072": "1.62x (EP with the optimizer streamed, as prof_opt, and EP's dispatch "
+                       "terms at 128K)",
+}
+SESSION2_HOST_OVER = {
+    "e2e_hostcpu_32768": "1.23x of the resident memory sampled between steps, which misses "
+                         "the host-CPU update's gradients in transit (VmHWM, the peak, is "
+                         "recorded since this session)",
+}
+
+
+def _session2_run(run: str) -> dict:
+    return json.loads(SESSION2.read_text())["runs"][run]
+
+
+def _pool_cap_gib(run: str) -> str | None:
+    """The pinned-host pool's cap the run set (its banner), as the variable's text."""
+    for line in _session2_run(run)["log_tail"]:
+        if match := re.search(r"pinned-host pool limit (\d+) GiB", line):
+            return match.group(1)
+    return None
+
+
+def _session2_plan(run: str, monkeypatch):
+    config, overrides, program = SESSION2_RUNS[run]
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+    if cap := _pool_cap_gib(run):
+        monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", cap)
+    return make_plan(load_config(config, overrides), 1, platform="gpu", baseline=False,
+                     search_context=False), program
+
+
+@pytest.mark.parametrize("run", [pytest.param(run, marks=_over(SESSION2_DEVICE_OVER[run]))
+                                 if run in SESSION2_DEVICE_OVER else run
+                                 for run in SESSION2_RUNS])
+def test_the_plan_bounds_the_device_peaks_of_the_e2e_session(run, monkeypatch):
+    plan, program = _session2_plan(run, monkeypatch)
+    measured = _session2_run(run)["peak_device_bytes"]
+    assert measured <= plan.programs[program] <= 1.2 * measured
+
+
+@pytest.mark.parametrize("run", [pytest.param(run, marks=_over(SESSION2_HOST_OVER[run]))
+                                 if run in SESSION2_HOST_OVER else run
+                                 for run in SESSION2_RUNS])
+def test_the_host_plan_bounds_the_resident_memory_of_the_e2e_session(run, monkeypatch):
+    """With the pool's cap each run set (its banner): the pool grows to it (the growth's
+    model), the runtime beside it is ``host_pool.runtime_gpu_bytes``."""
+    plan, _ = _session2_plan(run, monkeypatch)
+    measured = _session2_run(run)["host_bytes"]
+    assert measured <= plan.host_bytes <= 1.2 * measured
+
+
+LHS = RESULTS / "h200_1_lhs_gpu_20261201-193600.json"
+
+
+def test_the_host_plan_bounds_the_peak_resident_memory_under_the_run_s_own_cap(monkeypatch):
+    """The first run with the pool's cap planned from its own operators (39 GiB: the streamed
+    state alone) and the process's peak resident memory recorded (``VmHWM``)."""
+    run = json.loads(LHS.read_text())["runs"]["lhs"]
+    assert any("pool limit 39 GiB" in line for line in run["log_tail"])
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+    plan = make_plan(load_config("h200-1", ["operators.optimizer_offload=true"]), 1,
+                     platform="gpu", device_memory=int(132.8 * 2**30),
+                     host_memory=125 * 2**30, baseline=False, search_context=False)
+    measured = run["host_peak_bytes"]
+    assert measured <= plan.host_bytes <= 1.2 * measured

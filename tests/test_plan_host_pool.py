@@ -53,20 +53,32 @@ def test_the_planned_cap_is_set_before_the_backend(environ):
     growth = {t.name: t.bytes for t in make_plan(config, 1, platform="gpu", baseline=False,
                                                   search_context=False).terms}
     assert growth["host.pinned_pool_growth"] <= limit * GIB - pinned
-    # Operators left auto: capped for the most the run may pin (the streamed state and every
-    # boundary), whatever the trainer's plan then chooses.
+    # Operators left auto: capped for what the trainer's plan chooses on the memory the config
+    # names (h200-1 at 64K on an H200: the standard stack, nothing pinned, no cap; h200-e2e at
+    # 128K: the state streamed, no boundary offloaded), and where it names none, for the most
+    # the run may pin (the streamed state and every boundary).
     del environ[host_pool.LIMIT_VARIABLE]
     assert host_pool.cap_from_plan(load_config("h200-1", ["device.pinned_host_pool=planned"])) \
-        == limit
+        is None
+    deep = load_config("h200-e2e", ["data.seq_len=131072"])
+    deep_plan = make_plan(deep, 1, platform="gpu", device_memory=int(132.8 * GIB),
+                          host_memory=125 * GIB, baseline=False, search_context=False)
+    assert deep_plan.knobs.optimizer_offload and not any(deep_plan.knobs.offload)
+    deep_pinned = sum(t.bytes for t in deep_plan.terms if t.name in PINNED_TERMS)
+    assert deep_pinned < host_pool.cap_from_plan(deep) * GIB <= deep_pinned * 1.1 + 3 * GIB
+    del environ[host_pool.LIMIT_VARIABLE]
+    assert host_pool.cap_from_plan(load_config("h200-1", ["device.memory_gib=null"])) == limit
+    del environ[host_pool.LIMIT_VARIABLE]
     # A value the user set stays; XLA's own pool, and a CPU config, set nothing.
     environ[host_pool.LIMIT_VARIABLE] = "50"
     assert host_pool.cap_from_plan(config) is None
     del environ[host_pool.LIMIT_VARIABLE]
     assert host_pool.cap_from_plan(load_config("h200-1", [*ON, "device.pinned_host_pool=xla"])) \
         is None
-    # The optimizer forced onto the device: only the boundaries are pinned.
+    # The optimizer forced onto the device, the boundaries offloaded: only they are pinned.
     boundaries_only = host_pool.cap_from_plan(load_config(
-        "h200-1", ["operators.optimizer_offload=false", "device.pinned_host_pool=planned"]))
+        "h200-1", ["operators.optimizer_offload=false", "operators.offload=all",
+                   "device.pinned_host_pool=planned"]))
     assert 0 < boundaries_only < limit
     del environ[host_pool.LIMIT_VARIABLE]
     assert host_pool.cap_from_plan(load_config("tiny", ["device.pinned_host_pool=planned"])) is None
@@ -108,3 +120,24 @@ def test_a_device_count_only_the_machine_knows_leaves_xla_s_pool(environ):
     assert not host_pool.planned_cap_applies(load_config("h200-1", [*ON, "device.platform=cpu"]))
     pinned = [200 * 2**20] * 10
     assert pool_limit(config, pinned) == host_pool.XLA_DEFAULT_LIMIT_GIB * GIB
+
+
+def test_the_plan_of_an_auto_config_models_the_cap_its_run_sets(environ):
+    """``peakflat plan`` of a config whose operators are auto models the pool under the cap its
+    run will set (the trainer's own choice: h200-e2e at 128K streams the state and offloads no
+    boundary). Before they agreed, the run capped for every operator on (100 GiB) and the plan
+    modelled 93: the H200 measured 109.6 GiB resident against 102.0 planned."""
+    config = load_config("h200-e2e", ["data.seq_len=131072"])
+    plan = make_plan(config, 1, platform="gpu", device_memory=int(132.8 * GIB),
+                     host_memory=125 * GIB, baseline=False, search_context=False)
+    terms = {t.name: t.bytes for t in plan.terms}
+    pinned = [t for t in (terms["host.optimizer_state"],) if t]
+    cap = host_pool.cap_from_plan(config)
+    assert cap is not None and int(environ[host_pool.LIMIT_VARIABLE]) == cap
+    pool = terms["host.optimizer_state"] + terms["host.pinned_pool_growth"]
+    assert sum(pinned) < pool <= cap * GIB
+    # The run's own plan, with the variable set as the run sets it, models the same pool.
+    again = {t.name: t.bytes for t in make_plan(
+        config, 1, platform="gpu", device_memory=int(132.8 * GIB), host_memory=125 * GIB,
+        baseline=False, search_context=False).terms}
+    assert again["host.pinned_pool_growth"] == terms["host.pinned_pool_growth"]

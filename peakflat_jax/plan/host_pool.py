@@ -31,12 +31,28 @@ FIRST_REGION = 2 * MIB
 XLA_DEFAULT_LIMIT_GIB = 64
 """``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``'s default without preallocation."""
 LIMIT_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
-RUNTIME_GPU = {"scan": 6 * GIB, "unrolled": 9 * GIB}
+RUNTIME_GPU = {"scan": 6 * GIB, "unrolled": 6.5 * GIB}
 """Resident bytes of a trainer process on a GPU beyond its pinned pool and data (Python, jax,
-CUDA, cuDNN, XLA's programs and what their compile kept), by the layer loop. Measured on an
-H200 for h200-1: scanned, nothing pinned, 5.49 to 5.98 GiB over six runs; unrolled with the
-optimizer's state pinned, 8.3 to 8.7 GiB beyond the modelled pool over three
-(h200_1_train_auto_gpu_20261201-140353.json, h200_1_plan_check_gpu_20261201-141839.json)."""
+CUDA, cuDNN, XLA's programs and what their compile kept), by the layer loop, before
+``RUNTIME_GPU_PER_POOL_BYTE`` (``runtime_gpu_bytes``). Measured on an H200, scanned with
+nothing pinned: 5.49 to 5.98 GiB over six runs of h200-1 and 5.90 to 5.95 over five of
+h200-e2e (h200_1_train_auto_gpu_20261201-140353.json, h200_session_gpu_20261201-185430.json)."""
+RUNTIME_GPU_PER_POOL_BYTE = 0.035
+"""What the process holds beyond ``RUNTIME_GPU`` per byte of pinned-host pool. Fitted, not
+derived: on an H200, resident memory minus the pool (which in each of these runs grew to its
+limit, as the model of its growth says) was 7.0-7.7 GiB with a 41 GiB pool (h200-1, three
+runs), 8.0-8.3 with 64 (h200-1, four), 9.57 with 100 and 10.00 with 106 (h200-e2e): it follows
+the pool, not the model (h200-1 holds both 41 and 64). 6.5 GiB + 0.035 x pool holds all nine
+(7.9, 8.7, 10.0 and 10.2 GiB; records h200_1_train_auto_gpu_20261201-140353.json,
+h200_1_session_gpu_20261201-162217.json, h200_session_gpu_20261201-185430.json)."""
+
+
+def runtime_gpu_bytes(loop: str, pool: int) -> int:
+    """``host.runtime_gpu``: ``RUNTIME_GPU[loop]`` plus ``RUNTIME_GPU_PER_POOL_BYTE`` x the
+    pinned-host ``pool`` (bytes)."""
+    return int(RUNTIME_GPU[loop] + RUNTIME_GPU_PER_POOL_BYTE * pool)
+
+
 PLANNED_MARGIN = 0.1
 PLANNED_EXTRA = 2 * GIB
 
@@ -109,27 +125,52 @@ def planned_cap_applies(config) -> bool:
             and planned_devices(config) is not None)
 
 
+_PLANNED_CAPS: dict[str, int | None] = {}
+
+
+def planned_cap_gib(config) -> int | None:
+    """The pool's cap (GiB) for a run of ``config`` (``cap_from_plan``), None where none is
+    set (``planned_cap_applies`` fails, or nothing is pinned): ``planned_limit_gib`` of the
+    pinned arrays of the run's own plan, its ``auto`` operators chosen as the trainer will
+    choose them, on the device memory the config names (``train.device_memory_gib``, else
+    ``device.memory_gib``) and the host memory it names (``device.host_memory_gib``). The
+    planner models the same cap (``terms.pool_limit``). Where the config names no device
+    memory the choice is unknown before the backend starts: the cap is then planned with the
+    auto operators on (the streamed optimizer, every boundary offloaded), the most the run can
+    pin, so that whatever the trainer chooses fits under it (a cap reserves nothing; the pool
+    can then grow past the plan's: h200-e2e at 128K pinned 82 GiB under a cap of 100 and its
+    pool reached the cap). Made without a backend; cached by config."""
+    if not planned_cap_applies(config):
+        return None
+    key = repr(config)
+    if key not in _PLANNED_CAPS:
+        from peakflat_jax.plan.operators import with_operators_on
+        from peakflat_jax.plan.search import make_plan
+        from peakflat_jax.plan.terms import pinned_allocations
+
+        memory_gib = config.train.device_memory_gib or config.device.memory_gib
+        host_gib = config.device.host_memory_gib
+        if memory_gib:
+            plan = make_plan(config, planned_devices(config), platform="gpu",
+                             device_memory=int(memory_gib * GIB),
+                             host_memory=int(host_gib * GIB) if host_gib else None,
+                             baseline=False, search_context=False)
+        else:
+            plan = make_plan(with_operators_on(config), planned_devices(config),
+                             platform="gpu", baseline=False, search_context=False)
+        allocations = pinned_allocations(plan.knobs, plan.terms)
+        _PLANNED_CAPS[key] = planned_limit_gib(allocations) if allocations else None
+    return _PLANNED_CAPS[key]
+
+
 def cap_from_plan(config) -> int | None:
-    """Sets ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` for ``config`` and returns it (GiB): on a GPU
-    config with ``device.pinned_host_pool: planned`` that can pin something, where the variable
-    is unset (a value the user set stays; None is returned then, and elsewhere). Call it before
-    the backend starts: XLA reads the variable once. The cap is planned with the config's auto
-    operators on (the streamed optimizer, every boundary offloaded): the most the run can pin,
-    whatever the trainer's own plan then chooses on the devices it finds (a cap reserves
-    nothing). Made without a backend."""
+    """Sets ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` to ``planned_cap_gib(config)`` and returns
+    it, where the variable is unset (a value the user set stays; None is returned then, and
+    where no cap is planned). Call it before the backend starts: XLA reads the variable
+    once."""
     import os
 
-    from peakflat_jax.plan.operators import with_operators_on
-    from peakflat_jax.plan.search import make_plan
-    from peakflat_jax.plan.terms import pinned_allocations
-
-    if not planned_cap_applies(config) or LIMIT_VARIABLE in os.environ:
+    if LIMIT_VARIABLE in os.environ or (limit := planned_cap_gib(config)) is None:
         return None
-    plan = make_plan(with_operators_on(config), planned_devices(config), platform="gpu",
-                     baseline=False, search_context=False)
-    allocations = pinned_allocations(plan.knobs, plan.terms)
-    if not allocations:
-        return None
-    limit = planned_limit_gib(allocations)
     os.environ[LIMIT_VARIABLE] = str(limit)
     return limit

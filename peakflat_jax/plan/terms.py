@@ -56,8 +56,9 @@ MEMORY_FORMULAS: dict[str, str] = {
     "embedding_gradient": "V' * H * b: the table's dense gradient before the reduce-scatter, "
                           "which XLA may allocate before the layers' backward (XLA:CPU did)",
     "optimizer_update": "2 * P * 4: the fused AdamW's fp32 gradients (clipped) and updates",
-    "runtime_gpu": "6 GiB scanned, 9 unrolled, on a GPU: the trainer process's Python, jax, "
-                   "CUDA, cuDNN and compiled programs (measured on an H200: 5.5-6.0 and 8.3-8.7)",
+    "runtime_gpu": "6 GiB scanned, 6.5 unrolled, + 0.035 * pool, on a GPU: the trainer "
+                   "process's Python, jax, CUDA, cuDNN and compiled programs, and what grows "
+                   "with the pinned-host pool (fitted to nine H200 runs: plan.host_pool)",
     "pinned_pool_growth": "pool - live: XLA's pinned-host pool grows by doubling regions over the "
                           "pinned arrays (optimizer buckets, boundaries) up to its limit "
                           "(plan.host_pool; device.pinned_host_pool); more than any host where "
@@ -383,11 +384,12 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
         MEMORY_FORMULAS["data_pipeline"])
     if platform == "gpu":
         loop = "scan" if config.operators.layer_loop == "scan" else "unrolled"
-        add("host.runtime_gpu", host_pool.RUNTIME_GPU[loop], "host",
-            MEMORY_FORMULAS["runtime_gpu"])
         pinned = pinned_allocations(knobs, terms)
-        add("host.pinned_pool_growth", _pool_growth(config, pinned), "host",
-            MEMORY_FORMULAS["pinned_pool_growth"])
+        growth = _pool_growth(config, pinned)
+        pool = sum(pinned) + growth if growth != POOL_EXHAUSTED else 0
+        add("host.runtime_gpu", host_pool.runtime_gpu_bytes(loop, pool), "host",
+            MEMORY_FORMULAS["runtime_gpu"])
+        add("host.pinned_pool_growth", growth, "host", MEMORY_FORMULAS["pinned_pool_growth"])
     return terms
 
 
@@ -413,11 +415,11 @@ def pinned_allocations(knobs: Knobs, terms) -> list[int]:
 
 def pool_limit(config: Config, pinned: list[int]) -> int:
     """The pinned-host pool's limit, in bytes: the environment's where it is set, else the cap
-    the run will set (``device.pinned_host_pool: planned`` where ``planned_cap_applies``: from
-    these arrays), else XLA's own."""
+    a run of this config sets (``host_pool.planned_cap_gib``: from its own pinned arrays,
+    ``pinned``), else XLA's own."""
     if (limit := host_pool.set_limit_gib()) is not None:
         return limit * host_pool.GIB
-    if host_pool.planned_cap_applies(config):  # the cap the run sets (cap_from_plan)
+    if host_pool.planned_cap_applies(config):
         return host_pool.planned_limit_gib(pinned) * host_pool.GIB
     return host_pool.XLA_DEFAULT_LIMIT_GIB * host_pool.GIB
 

@@ -138,15 +138,28 @@ def device_memory_bytes() -> int | None:
     return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
-def host_resident_bytes() -> int:
-    """This process's resident set size (Linux /proc; 0 where unavailable)."""
+def _proc_status_bytes(field: str) -> int:
+    """A size field of /proc/self/status (``VmRSS``, ``VmHWM``) in bytes; 0 where unavailable."""
     try:
         for line in pathlib.Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def host_resident_bytes() -> int:
+    """This process's resident set size now (Linux /proc ``VmRSS``; 0 where unavailable)."""
+    return _proc_status_bytes("VmRSS")
+
+
+def host_peak_resident_bytes() -> int:
+    """This process's largest resident set size since it started (Linux /proc ``VmHWM``; 0
+    where unavailable): the host's peak that the plan bounds, transients within a step (the
+    host-CPU update's gradients, a program's host temporaries) included, which a sample of
+    ``VmRSS`` between steps misses."""
+    return _proc_status_bytes("VmHWM")
 
 
 def read_records(run_dir: pathlib.Path) -> list[dict]:

@@ -607,6 +607,7 @@ class Trainer:
                         **throughput.step(local["segment_ids"], seconds),
                         "peak_device_bytes": report.device_peak_bytes(),
                         "host_bytes": report.host_resident_bytes(),
+                        "host_peak_bytes": report.host_peak_resident_bytes(),
                         "valid_targets": valid,
                     }
                     history.append(record)
@@ -695,6 +696,7 @@ class Trainer:
             "peak_device_bytes": max((r["peak_device_bytes"] or 0 for r in history),
                                      default=None) or None,
             "host_bytes": max((r["host_bytes"] for r in history), default=0),
+            "host_peak_bytes": max((r.get("host_peak_bytes", 0) for r in history), default=0),
             "xla_plan_bytes": self.xla_plan and self.xla_plan.total,
             "compile_seconds": self.compile_seconds,
             "devices": mop.num_devices(self.mesh),
@@ -771,7 +773,8 @@ def format_summary(summary: dict) -> str:
         f"({summary.get('mfu_denominator', 'n/a')}; attention within documents)",
         f"  peak device memory {fmt(summary['peak_device_bytes'], ' GiB', 2**30)} (XLA's plan "
         f"{fmt(summary['xla_plan_bytes'], ' GiB', 2**30)}), host "
-        f"{fmt(summary['host_bytes'], ' GiB', 2**30)}",
+        f"{fmt(summary['host_bytes'], ' GiB', 2**30)} (peak "
+        f"{fmt(summary.get('host_peak_bytes'), ' GiB', 2**30)})",
     ]
     return "\n".join(lines)
 
