@@ -642,9 +642,10 @@ MEMORY_FORMULAS: dict[str, str] = {
     "expert_ffn": "5 * M * F * a + M * F * b: backward's recomputed gate and up projections, "
                   "the cotangent of their product and theirs (fp32, a as dispatch's), the "
                   "product in x's dtype",
-    "weights": "2 * 3 * G * H * F * b + 3 * G * H * F * 4: local and foreign experts side by "
-               "side and their gradients, and backward's fp32 sum of the chunks' gradients "
-               "(none on the Mosaic path at K = 1)",
+    "weights": "2 * 3 * G * H * F * b: local and foreign experts side by side and their "
+               "gradients",
+    "weight_sum": "3 * G * H * F * 4: backward's fp32 sum of the chunks' weight gradients "
+                  "(none on the Mosaic path at K = 1)",
     "tokens": "3 * N * H * b: the chunked copies of x and y and the output's gather",
     "routing": "4 * N * k * (12 + D + G_f): int32 slot metadata (destination, group, chunked "
                "copies, sort orders) and the [S, D] and [S, G_f] lookups of the plan",
@@ -696,7 +697,8 @@ def pipelined_moe_memory_terms(*, num_tokens: int, hidden: int, ffn: int, top_k:
     terms = {
         "dispatch": (8 if num_chunks > 1 else 6) * rows * hidden * b + rows * hidden * a,
         "expert_ffn": 5 * rows * ffn * a + rows * ffn * b,
-        "weights": 2 * 3 * groups * hidden * ffn * b + weight_sum,
+        "weights": 2 * 3 * groups * hidden * ffn * b,
+        "weight_sum": weight_sum,
         "tokens": 3 * num_tokens * hidden * b,
         "routing": 4 * num_tokens * top_k * (12 + num_devices + foreign),
         "mosaic_head_rows": 0,

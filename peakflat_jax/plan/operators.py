@@ -90,7 +90,8 @@ def choose_operators(config: Config, num_devices: int, *, context: int | None,
                                     for name, value in chosen.items()]
 
 
-def choose_layer_loop(config: Config, knobs, platform: str) -> tuple[Config, list[Choice]]:
+def choose_layer_loop(config: Config, knobs, platform: str,
+                      device_memory: int | None = None) -> tuple[Config, list[Choice]]:
     """``operators.layer_loop: auto`` resolved for a config whose operators are chosen:
     ``unrolled`` where the offloaded optimizer's update runs inside the next step's forward
     (XLA overlaps host copies with compute in straight-line code, not across a while loop's
@@ -107,6 +108,19 @@ def choose_layer_loop(config: Config, knobs, platform: str) -> tuple[Config, lis
            "code (compile time grows with depth)" if overlapped
            else "chosen: no optimizer stream to overlap here; one layer compiled whatever the "
                 "depth")
+    if overlapped and device_memory is not None:
+        from peakflat_jax.plan.programs import program_bytes
+        from peakflat_jax.plan.terms import plan_terms
+
+        def total(loop: str) -> int:
+            unrolled = config.replace(operators={"layer_loop": loop})
+            return max(program_bytes(plan_terms(unrolled, knobs, platform=platform)).values())
+
+        if (needs := total("unrolled")) > device_memory >= total("scan"):
+            loop = "scan"
+            why = (f"chosen: the unrolled loop would need {needs / 2**30:.1f} GiB (XLA:GPU makes "
+                   f"every MoE layer's fp32 weight-gradient sums at once there), the scanned "
+                   f"one fits")
     return config.replace(operators={"layer_loop": loop}), [Choice("operators.layer_loop",
                                                                    loop, why)]
 

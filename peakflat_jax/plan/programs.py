@@ -142,11 +142,19 @@ class Plan:
 
 def fits_in_memory(config: Config, knobs: Knobs, platform: str, device_memory: int | None,
           host_memory: int | None) -> bool:
-    terms = plan_terms(config, knobs, platform=platform)
-    device = max(program_bytes(terms).values())
-    host = sum(t.bytes for t in terms if t.live == "host")
-    return ((device_memory is None or device <= device_memory)
-            and (host_memory is None or host <= host_memory))
+    """Whether the step fits; a layer loop left ``auto`` fits if either loop does, as
+    ``plan.operators.choose_layer_loop`` then takes the one that fits."""
+    def fits(config) -> bool:
+        terms = plan_terms(config, knobs, platform=platform)
+        device = max(program_bytes(terms).values())
+        host = sum(t.bytes for t in terms if t.live == "host")
+        return ((device_memory is None or device <= device_memory)
+                and (host_memory is None or host <= host_memory))
+
+    if fits(config):
+        return True
+    return (config.operators.layer_loop == "auto" and knobs.optimizer_overlap
+            and fits(config.replace(operators={"layer_loop": "scan"})))
 
 
 # ----------------------------------------------------------------------------------------------

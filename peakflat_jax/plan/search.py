@@ -53,7 +53,7 @@ def make_plan(config: Config, num_devices: int, *, context: int | None = None,
     knobs, knob_choices = choose_knobs(config, knobs, platform, device_memory, host_memory,
                                        auto=auto, rates=rates)
     choices += knob_choices
-    config, loop_choices = choose_layer_loop(config, knobs, platform)
+    config, loop_choices = choose_layer_loop(config, knobs, platform, device_memory)
     choices += loop_choices
     terms = tuple(plan_terms(config, knobs, platform=platform))
     largest = base = None

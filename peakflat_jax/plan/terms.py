@@ -56,6 +56,18 @@ MEMORY_FORMULAS: dict[str, str] = {
     "embedding_gradient": "V' * H * b: the table's dense gradient before the reduce-scatter, "
                           "which XLA may allocate before the layers' backward (XLA:CPU did)",
     "optimizer_update": "2 * P * 4: the fused AdamW's fp32 gradients (clipped) and updates",
+    "residual_stream_gpu": "2 * N * H * b on a GPU: the layer's normed input and its "
+                           "attention's residual sum, in the model's dtype",
+    "attention.activations_gpu": "N * D * b * (3 * Hq + 4 * Hkv) on a GPU: q, O, dQ, k, v, dK, "
+                                 "dV",
+    "ffn_gpu": "5 * N * F_d * b on a GPU: the recomputed gate and up, their product and two "
+               "cotangents, in the model's dtype (XLA:GPU's buffer assignment at 64K and 256K)",
+    "ffn.under_attention": "4 * N * F_d * b on a GPU: four of them live through the attention's "
+                           "backward (XLA:GPU runs the FFN's weight gradients after it)",
+    "moe.hoisted_weight_sums": "(L_m - 1) * 3 * G * H * F * 4 on a GPU, layers unrolled: the "
+                               "other MoE layers' fp32 weight-gradient sums, made at once "
+                               "before the first MoE backward (XLA:GPU's buffer assignment of "
+                               "h200-1's overlapped step at 64K)",
     "runtime_gpu": "6 GiB scanned, 6.5 unrolled, + 0.035 * pool, on a GPU: the trainer "
                    "process's Python, jax, CUDA, cuDNN and compiled programs, and what grows "
                    "with the pinned-host pool (fitted to nine H200 runs: plan.host_pool)",
@@ -68,6 +80,13 @@ MEMORY_FORMULAS: dict[str, str] = {
     "overlap.moe_layer_weights": "2 * P_m * b: the MoE layers' updated weights taken per layer and "
                                  "their stacked copy (the program's output) beside the stacked "
                                  "params; P_m the MoE stack's share of P",
+    "overlap.moe_layer_weights_gpu": "P * b + (L_m - 1) * b_m on a GPU: every bucket's new "
+                                     "working params, held until the leaves are assembled at "
+                                     "the step's end, and the new weights of the MoE layers "
+                                     "whose backward is still to come (b_m: one MoE layer's "
+                                     "bytes; XLA:GPU's buffer assignments of h200-1's "
+                                     "overlapped step at 64K, EP and pipelined: 9.5 GiB live "
+                                     "against 10.1)",
     "data_pipeline": "pipeline_host_bytes / local devices: the batch being made",
     "optimizer_step.bucketed_params_gpu": "P * b: each bucket's new working params, which "
                                           "XLA:GPU holds among the step's temporaries until "
@@ -363,7 +382,11 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
             add("overlap.staging", staged, "overlap",
                 "the optimizer step's staging terms (above), now inside the step's program; 0 "
                 "on CPU, where XLA updates in place")
-        if knobs.optimizer_overlap:
+        if knobs.optimizer_overlap and platform == "gpu":
+            add("overlap.moe_layer_weights",
+                weights.params + max(num_moe - 1, 0) * weights.layer_shard["moe"], "overlap",
+                MEMORY_FORMULAS["overlap.moe_layer_weights_gpu"])
+        elif knobs.optimizer_overlap:
             add("overlap.moe_layer_weights", 2 * num_moe * weights.layer_shard["moe"], "overlap")
     elif host_cpu:
         add("optimizer_update", 0, "update", MEMORY_FORMULAS["optimizer_update_host_cpu"])
@@ -447,20 +470,41 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
     xla = knobs.attention == "xla"
     runs = packed_attention_runs(config)
     sco_formulas = sco_module.MEMORY_FORMULAS
+    if platform == "gpu":
+        # XLA:GPU's buffer assignment (h200-1 at 64K and 256K, docs/plan.md): two [N, H]
+        # buffers of the layer in the model's dtype beside the carried cotangent, and the
+        # attention's q, O, dQ and k, v, dK, dV (two of the last four GQA-expanded).
+        stream = ("residual_stream", 2 * n * h * itemsize, "layer",
+                  MEMORY_FORMULAS["residual_stream_gpu"])
+        activations = ("attention.activations", n * d * itemsize * (3 * hq + 4 * hkv), "layer",
+                       MEMORY_FORMULAS["attention.activations_gpu"])
+    else:
+        stream = ("residual_stream", 6 * n * h * 4, "layer", MEMORY_FORMULAS["residual_stream"])
+        activations = ("attention.activations", 3 * n * (2 * hq + 2 * hkv) * d * itemsize,
+                       "layer", MEMORY_FORMULAS["attention.activations"])
     attention = [
-        ("residual_stream", 6 * n * h * 4, "layer"),
-        ("attention.activations", 3 * n * (2 * hq + 2 * hkv) * d * itemsize, "layer"),
-        ("attention.saved", 4 * scores if xla else 4 * runs * n * hq, "layer"),
+        stream, activations,
+        ("attention.saved", 4 * scores if xla else 4 * runs * n * hq, "layer",
+         MEMORY_FORMULAS["attention.saved"]),
         ("attention.backward", (4 + itemsize) * scores if xla
-         else cudnn_backward_workspace(runs, n, hq, d), "layer/attention"),
+         else cudnn_backward_workspace(runs, n, hq, d), "layer/attention",
+         MEMORY_FORMULAS["attention.backward"]),
     ]
     candidates = []
     for kind, sco in layer_sets.items():
         terms = [(key, value, "layer", sco_formulas[key]) for key, value in sco.items()]
         terms.append(("gathered_weights", 2 * weights.layer_whole_dense[kind], "layer",
                       MEMORY_FORMULAS["gathered_weights"]))
-        terms += [(name, value, live, MEMORY_FORMULAS[name]) for name, value, live in attention]
-        if kind == "dense":
+        terms += attention
+        if kind == "dense" and platform == "gpu":
+            # XLA:GPU's buffer assignment (h200-1 at 64K and 256K, docs/plan.md): at most five
+            # bf16 [N, F_d] buffers, and four of them still live under the attention's
+            # backward, whose inputs XLA:GPU computes first and the FFN's weight gradients last.
+            ffn = n * model.dense_ffn * itemsize
+            terms.append(("ffn", 5 * ffn, "layer/ffn", MEMORY_FORMULAS["ffn_gpu"]))
+            terms.append(("ffn.under_attention", 4 * ffn, "layer/attention",
+                          MEMORY_FORMULAS["ffn.under_attention"]))
+        elif kind == "dense":
             terms.append(("ffn", 6 * n * model.dense_ffn * 4, "layer/ffn",
                           MEMORY_FORMULAS["ffn"]))
         else:
@@ -471,6 +515,13 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
             moe, formulas = _moe_terms(config, knobs, platform)
             terms += [(f"moe.{key}", value, "layer/ffn", formulas[key])
                       for key, value in moe.items()]
+            if platform == "gpu" and _unrolled(config, knobs):
+                # Unrolled, XLA:GPU makes the fp32 weight-gradient sums of every MoE layer at
+                # once (one fusion of their zeros, before the first MoE layer's backward).
+                terms.append(("moe.hoisted_weight_sums",
+                              (config.model.num_layers - config.model.num_dense_layers - 1)
+                              * moe["weight_sum"], "layer",
+                              MEMORY_FORMULAS["moe.hoisted_weight_sums"]))
         candidates.append((phase_total(terms, "layer"), kind, terms))
     if not candidates:
         return []
@@ -482,6 +533,13 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
 # What XLA:GPU's buffer assignment gave cuDNN's attention backward beyond the R-fold arrays
 # (h200-1, jax 0.11.2, 2026-12-01): the graph's fixed scratch, the forward's whole workspace.
 CUDNN_FIXED_SCRATCH = 17_152
+
+
+def _unrolled(config: Config, knobs: Knobs) -> bool:
+    """Whether the layers run unrolled: ``operators.layer_loop: unrolled``, or ``auto`` where
+    it resolves so (``plan.operators.choose_layer_loop``: the overlapped optimizer on a GPU)."""
+    loop = config.operators.layer_loop
+    return loop == "unrolled" or (loop == "auto" and knobs.optimizer_overlap)
 
 
 def packed_attention_runs(config: Config) -> int:
