@@ -21,6 +21,8 @@
 #               largest context trains (3 steps) and 1.1x of it does not fit
 #   e2e_hostcpu_65536   issue 27: the standard stack's longest with its AdamW on the host CPU
 #               (plan: 67,414), its peak resident memory (host_peak_bytes, VmHWM)
+#   e2e_auto_262144  issues 25 and 27: ours at 256K as the plan now takes it (scanned: the
+#               unrolled step's hoisted weight-gradient sums do not fit its plan)
 #   e2e_batch_*  issue 27: the largest batch at 32K, ours (8) and the host-CPU standard stack (2)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,6 +76,8 @@ run base_over 200 "${train[@]}" h200-1 data.seq_len=$over train.steps=3 "${ALL_O
 run e2e_hostcpu_65536 330 "${train[@]}" h200-e2e data.seq_len=65536 train.steps=3 \
   "${ALL_OFF[@]}" optimizer.update_on=host_cpu train.device_memory_gib=1000000 "${nc[@]}" \
   --run-dir /tmp/r-hc64; keep /tmp/r-hc64 e2e_hostcpu_65536
+run e2e_auto_262144 420 "${train[@]}" h200-e2e data.seq_len=262144 train.steps=3 "${nc[@]}" \
+  --run-dir /tmp/r-e2e-256k; keep /tmp/r-e2e-256k e2e_auto_262144
 run e2e_batch_ours 300 "${train[@]}" h200-e2e data.seq_len=32768 data.batch_size=8 \
   train.steps=3 "${nc[@]}" --run-dir /tmp/r-b8; keep /tmp/r-b8 e2e_batch_ours
 run e2e_batch_hostcpu 330 "${train[@]}" h200-e2e data.seq_len=32768 data.batch_size=2 \

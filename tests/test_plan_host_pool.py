@@ -9,7 +9,8 @@ import pytest
 
 from peakflat_jax.config import load_config
 from peakflat_jax.plan import host_pool, make_plan
-from peakflat_jax.plan.terms import PINNED_TERMS, pool_limit
+from peakflat_jax.plan.operators import with_operators_on
+from peakflat_jax.plan.terms import PINNED_TERMS, pinned_allocations, pool_limit
 
 RESULTS = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "results"
 GIB = 2**30
@@ -54,17 +55,20 @@ def test_the_planned_cap_is_set_before_the_backend(environ):
                                                   search_context=False).terms}
     assert growth["host.pinned_pool_growth"] <= limit * GIB - pinned
     # Operators left auto: capped for what the trainer's plan chooses on the memory the config
-    # names (h200-1 at 64K on an H200: the standard stack, nothing pinned, no cap; h200-e2e at
-    # 128K: the state streamed, no boundary offloaded), and where it names none, for the most
-    # the run may pin (the streamed state and every boundary).
+    # names (h200-e2e at 128K: what it pins there, not every operator on); where that pins
+    # nothing (h200-1 at 64K on an H200: the standard stack), or the config names no memory,
+    # for the most the run may pin (the streamed state and every boundary).
     del environ[host_pool.LIMIT_VARIABLE]
     assert host_pool.cap_from_plan(load_config("h200-1", ["device.pinned_host_pool=planned"])) \
-        is None
+        == limit
+    del environ[host_pool.LIMIT_VARIABLE]
     deep = load_config("h200-e2e", ["data.seq_len=131072"])
     deep_plan = make_plan(deep, 1, platform="gpu", device_memory=int(132.8 * GIB),
                           host_memory=125 * GIB, baseline=False, search_context=False)
-    assert deep_plan.knobs.optimizer_offload and not any(deep_plan.knobs.offload)
     deep_pinned = sum(t.bytes for t in deep_plan.terms if t.name in PINNED_TERMS)
+    all_on = make_plan(with_operators_on(deep), 1, platform="gpu", baseline=False,
+                       search_context=False)
+    assert 0 < deep_pinned < sum(t.bytes for t in all_on.terms if t.name in PINNED_TERMS)
     assert deep_pinned < host_pool.cap_from_plan(deep) * GIB <= deep_pinned * 1.1 + 3 * GIB
     del environ[host_pool.LIMIT_VARIABLE]
     assert host_pool.cap_from_plan(load_config("h200-1", ["device.memory_gib=null"])) == limit
@@ -124,18 +128,19 @@ def test_a_device_count_only_the_machine_knows_leaves_xla_s_pool(environ):
 
 def test_the_plan_of_an_auto_config_models_the_cap_its_run_sets(environ):
     """``peakflat plan`` of a config whose operators are auto models the pool under the cap its
-    run will set (the trainer's own choice: h200-e2e at 128K streams the state and offloads no
-    boundary). Before they agreed, the run capped for every operator on (100 GiB) and the plan
-    modelled 93: the H200 measured 109.6 GiB resident against 102.0 planned."""
+    run will set, planned from the trainer's own choice. Before they agreed, the run capped for
+    every operator on (100 GiB at 128K) and the plan modelled the cap of the 82 GiB it chose to
+    pin (93): the H200 measured 109.6 GiB resident against 102.0 planned."""
     config = load_config("h200-e2e", ["data.seq_len=131072"])
     plan = make_plan(config, 1, platform="gpu", device_memory=int(132.8 * GIB),
                      host_memory=125 * GIB, baseline=False, search_context=False)
     terms = {t.name: t.bytes for t in plan.terms}
-    pinned = [t for t in (terms["host.optimizer_state"],) if t]
+    pinned = sum(terms.get(name, 0) for name in PINNED_TERMS)
     cap = host_pool.cap_from_plan(config)
     assert cap is not None and int(environ[host_pool.LIMIT_VARIABLE]) == cap
-    pool = terms["host.optimizer_state"] + terms["host.pinned_pool_growth"]
-    assert sum(pinned) < pool <= cap * GIB
+    assert cap == host_pool.planned_limit_gib(pinned_allocations(plan.knobs, plan.terms))
+    pool = pinned + terms["host.pinned_pool_growth"]
+    assert 0 < pinned < pool <= cap * GIB
     # The run's own plan, with the variable set as the run sets it, models the same pool.
     again = {t.name: t.bytes for t in make_plan(
         config, 1, platform="gpu", device_memory=int(132.8 * GIB), host_memory=125 * GIB,

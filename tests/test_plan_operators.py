@@ -152,3 +152,37 @@ def test_with_host_cpu_the_stream_stays_off_and_the_state_leaves_the_device():
     assert make_plan(config, 1, baseline=False, **H200).largest_context > make_plan(
         load_config("h200-1", ["operators.optimizer_offload=false"]), 1, baseline=False,
         **{**H200}).largest_context
+
+
+def _e2e(context: int):
+    config = load_config("h200-e2e", [f"data.seq_len={context}"])
+    return make_plan(config, 1, baseline=False, search_context=False, platform="gpu",
+                     device_memory=int(132.8 * GIB), host_memory=125 * GIB)
+
+
+def test_an_unrolled_loop_that_does_not_fit_is_scanned():
+    """h200-e2e at 256K on an H200: with the optimizer streamed and the plan's knobs, the
+    unrolled loop's hoisted weight-gradient sums do not fit and the scanned loop does: the plan
+    scans, and it fits. Scoring the candidates with the loop unresolved (as unrolled) left no
+    setting that fit."""
+    from peakflat_jax.plan.programs import program_bytes
+    from peakflat_jax.plan.terms import plan_terms
+
+    plan = _e2e(262144)
+    assert plan.feasible and plan.knobs.optimizer_overlap
+    assert plan.config.operators.layer_loop == "scan"
+    unrolled = plan.config.replace(operators={"layer_loop": "unrolled"})
+    needs = max(program_bytes(plan_terms(unrolled, plan.knobs, platform="gpu")).values())
+    assert needs > 132.8 * GIB >= plan.total_bytes
+    why = next(c.why for c in plan.choices if c.key == "operators.layer_loop")
+    assert "unrolled loop would need" in why
+
+
+def test_every_context_below_the_largest_fits():
+    """The largest context is searched by bisection, which assumes that a fit implies every
+    smaller one fits: the operators' choice keeps it so (sampled every 64K)."""
+    config = load_config("h200-e2e")
+    largest = make_plan(config, 1, baseline=False, platform="gpu",
+                        device_memory=int(132.8 * GIB), host_memory=125 * GIB).largest_context
+    assert largest > 262144
+    assert all(_e2e(context).feasible for context in range(32768, largest + 1, 65536))

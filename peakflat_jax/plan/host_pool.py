@@ -23,6 +23,7 @@ planned bytes and a margin instead of up to twice them.
 from __future__ import annotations
 
 import math
+import os
 
 GIB = 2**30
 MIB = 2**20
@@ -97,8 +98,6 @@ def planned_limit_gib(allocations) -> int:
 
 def set_limit_gib() -> int | None:
     """The pool's cap the environment sets (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``), or None."""
-    import os
-
     value = os.environ.get(LIMIT_VARIABLE)
     try:
         return int(value) if value else None
@@ -135,30 +134,43 @@ def planned_cap_gib(config) -> int | None:
     choose them, on the device memory the config names (``train.device_memory_gib``, else
     ``device.memory_gib``) and the host memory it names (``device.host_memory_gib``). The
     planner models the same cap (``terms.pool_limit``). Where the config names no device
-    memory the choice is unknown before the backend starts: the cap is then planned with the
-    auto operators on (the streamed optimizer, every boundary offloaded), the most the run can
-    pin, so that whatever the trainer chooses fits under it (a cap reserves nothing; the pool
-    can then grow past the plan's: h200-e2e at 128K pinned 82 GiB under a cap of 100 and its
-    pool reached the cap). Made without a backend; cached by config."""
+    memory, or its own plan pins nothing, the cap is planned with the auto operators on (the
+    streamed optimizer, every boundary offloaded), the most the run can pin: a cap reserves
+    nothing, so a run that pins nothing loses nothing, and a trainer that finds less memory
+    than the config names and pins after all has room under it (its own plan models the cap
+    set in the environment; where its pool outgrows it, its host check refuses the run).
+    Planned with the cap variable out of the environment; made without a backend; cached by
+    config."""
     if not planned_cap_applies(config):
         return None
+    # The run's plan is made without a cap in the environment (the cap is what it decides).
     key = repr(config)
+    if key not in _PLANNED_CAPS and LIMIT_VARIABLE in os.environ:
+        saved = os.environ.pop(LIMIT_VARIABLE)
+        try:
+            return planned_cap_gib(config)
+        finally:
+            os.environ[LIMIT_VARIABLE] = saved
     if key not in _PLANNED_CAPS:
         from peakflat_jax.plan.operators import with_operators_on
         from peakflat_jax.plan.search import make_plan
         from peakflat_jax.plan.terms import pinned_allocations
 
-        memory_gib = config.train.device_memory_gib or config.device.memory_gib
-        host_gib = config.device.host_memory_gib
-        if memory_gib:
+        def pinned(config, memory_gib=None, host_gib=None) -> list[int]:
             plan = make_plan(config, planned_devices(config), platform="gpu",
-                             device_memory=int(memory_gib * GIB),
+                             device_memory=int(memory_gib * GIB) if memory_gib else None,
                              host_memory=int(host_gib * GIB) if host_gib else None,
                              baseline=False, search_context=False)
-        else:
-            plan = make_plan(with_operators_on(config), planned_devices(config),
-                             platform="gpu", baseline=False, search_context=False)
-        allocations = pinned_allocations(plan.knobs, plan.terms)
+            return pinned_allocations(plan.knobs, plan.terms)
+
+        memory_gib = config.train.device_memory_gib or config.device.memory_gib
+        allocations = (pinned(config, memory_gib, config.device.host_memory_gib)
+                       if memory_gib else [])
+        if not allocations:
+            # Nothing pinned by the run's own plan, or no memory to plan it with: the cap of
+            # every auto operator on, which costs nothing where nothing is pinned and leaves
+            # room where the trainer, on the memory it finds, chooses to pin.
+            allocations = pinned(with_operators_on(config))
         _PLANNED_CAPS[key] = planned_limit_gib(allocations) if allocations else None
     return _PLANNED_CAPS[key]
 
@@ -168,8 +180,6 @@ def cap_from_plan(config) -> int | None:
     it, where the variable is unset (a value the user set stays; None is returned then, and
     where no cap is planned). Call it before the backend starts: XLA reads the variable
     once."""
-    import os
-
     if LIMIT_VARIABLE in os.environ or (limit := planned_cap_gib(config)) is None:
         return None
     os.environ[LIMIT_VARIABLE] = str(limit)

@@ -73,21 +73,24 @@ def choose_operators(config: Config, num_devices: int, *, context: int | None,
         knobs = knobs_from_config(candidate, num_devices, context=context, platform=platform)
         knobs, _ = choose_knobs(candidate, knobs, platform, device_memory, host_memory,
                                 auto=False, rates=rates)
-        plan = Plan(candidate, knobs, platform, tuple(plan_terms(candidate, knobs,
-                                                                 platform=platform)),
-                    device_memory, host_memory, step_seconds=step_seconds(candidate, knobs,
+        # Scored with its layer loop as it will be resolved (a loop left auto: the one that
+        # fits, choose_layer_loop); returned with the loop still auto, for make_plan to name.
+        scored, _ = choose_layer_loop(candidate, knobs, platform, device_memory)
+        plan = Plan(scored, knobs, platform, tuple(plan_terms(scored, knobs,
+                                                              platform=platform)),
+                    device_memory, host_memory, step_seconds=step_seconds(scored, knobs,
                                                                           rates))
         switched_on = sum(value != CHOICES[name][0] for name, value in chosen.items())
-        candidates.append((plan, chosen, switched_on))
+        candidates.append((plan, chosen, switched_on, candidate))
     fitting = [c for c in candidates if c[0].feasible is not False]
     if fitting:
-        plan, chosen, _ = min(fitting, key=lambda c: (c[0].step_seconds, c[2]))
+        plan, chosen, _, candidate = min(fitting, key=lambda c: (c[0].step_seconds, c[2]))
     else:
-        plan, chosen, _ = min(candidates, key=lambda c: (c[0].total_bytes, -c[2]))
+        plan, chosen, _, candidate = min(candidates, key=lambda c: (c[0].total_bytes, -c[2]))
     off = next(c[0] for c in candidates if c[2] == 0)
-    return plan.config, resolved + [Choice(f"operators.{name}", value,
-                                           _why(name, value, plan, off, bool(fitting)))
-                                    for name, value in chosen.items()]
+    return candidate, resolved + [Choice(f"operators.{name}", value,
+                                         _why(name, value, plan, off, bool(fitting)))
+                                  for name, value in chosen.items()]
 
 
 def choose_layer_loop(config: Config, knobs, platform: str,
@@ -96,9 +99,11 @@ def choose_layer_loop(config: Config, knobs, platform: str,
     ``unrolled`` where the offloaded optimizer's update runs inside the next step's forward
     (XLA overlaps host copies with compute in straight-line code, not across a while loop's
     iterations, and a scanned stack's stacked weights wait for every bucket: on an H200 h200-1
-    stepped in 1.83 s unrolled against 2.96 s scanned, docs/compile.md), else ``scan`` (one
-    layer compiled whatever the depth); always ``scan`` on CPUs, where the host copies lower
-    to nothing. ``knobs``: the plan's."""
+    stepped in 1.83 s unrolled against 2.96 s scanned, docs/compile.md) unless, with
+    ``device_memory`` given, the unrolled step does not fit it and the scanned one does (XLA:GPU
+    makes every unrolled MoE layer's fp32 weight-gradient sums at once: docs/plan.md); else
+    ``scan`` (one layer compiled whatever the depth); always ``scan`` on CPUs, where the host
+    copies lower to nothing. ``knobs``: the plan's."""
     if config.operators.layer_loop != "auto":
         return config, []
     # Offloaded, overlapped, with MoE layers to hide under, on a machine with host copies.

@@ -536,8 +536,10 @@ CUDNN_FIXED_SCRATCH = 17_152
 
 
 def _unrolled(config: Config, knobs: Knobs) -> bool:
-    """Whether the layers run unrolled: ``operators.layer_loop: unrolled``, or ``auto`` where
-    it resolves so (``plan.operators.choose_layer_loop``: the overlapped optimizer on a GPU)."""
+    """Whether the terms count the layers unrolled: ``operators.layer_loop: unrolled``, or a
+    loop left ``auto`` with the overlapped optimizer (the larger of the two;
+    ``plan.operators.choose_layer_loop`` resolves ``auto`` before a plan's own terms, scanning
+    where the unrolled step does not fit, and ``fits_in_memory`` accepts either)."""
     loop = config.operators.layer_loop
     return loop == "unrolled" or (loop == "auto" and knobs.optimizer_overlap)
 
