@@ -175,7 +175,7 @@ def test_an_unrolled_loop_that_does_not_fit_is_scanned():
     needs = max(program_bytes(plan_terms(unrolled, plan.knobs, platform="gpu")).values())
     assert needs > 132.8 * GIB >= plan.total_bytes
     why = next(c.why for c in plan.choices if c.key == "operators.layer_loop")
-    assert "unrolled loop would need" in why
+    assert "unrolled step does not fit" in why
 
 
 def test_every_context_below_the_largest_fits():

@@ -143,36 +143,40 @@ def planned_cap_gib(config) -> int | None:
     config."""
     if not planned_cap_applies(config):
         return None
-    # The run's plan is made without a cap in the environment (the cap is what it decides).
     key = repr(config)
-    if key not in _PLANNED_CAPS and LIMIT_VARIABLE in os.environ:
-        saved = os.environ.pop(LIMIT_VARIABLE)
-        try:
-            return planned_cap_gib(config)
-        finally:
-            os.environ[LIMIT_VARIABLE] = saved
     if key not in _PLANNED_CAPS:
-        from peakflat_jax.plan.operators import with_operators_on
-        from peakflat_jax.plan.search import make_plan
-        from peakflat_jax.plan.terms import pinned_allocations
-
-        def pinned(config, memory_gib=None, host_gib=None) -> list[int]:
-            plan = make_plan(config, planned_devices(config), platform="gpu",
-                             device_memory=int(memory_gib * GIB) if memory_gib else None,
-                             host_memory=int(host_gib * GIB) if host_gib else None,
-                             baseline=False, search_context=False)
-            return pinned_allocations(plan.knobs, plan.terms)
-
-        memory_gib = config.train.device_memory_gib or config.device.memory_gib
-        allocations = (pinned(config, memory_gib, config.device.host_memory_gib)
-                       if memory_gib else [])
-        if not allocations:
-            # Nothing pinned by the run's own plan, or no memory to plan it with: the cap of
-            # every auto operator on, which costs nothing where nothing is pinned and leaves
-            # room where the trainer, on the memory it finds, chooses to pin.
-            allocations = pinned(with_operators_on(config))
-        _PLANNED_CAPS[key] = planned_limit_gib(allocations) if allocations else None
+        # The run's plan is made without a cap in the environment (the cap is what it decides).
+        saved = os.environ.pop(LIMIT_VARIABLE, None)
+        try:
+            _PLANNED_CAPS[key] = _cap_of_the_run_s_plan(config)
+        finally:
+            if saved is not None:
+                os.environ[LIMIT_VARIABLE] = saved
     return _PLANNED_CAPS[key]
+
+
+def _cap_of_the_run_s_plan(config) -> int | None:
+    """``planned_cap_gib``'s cap, planned (no cache, the environment as it is)."""
+    from peakflat_jax.plan.operators import with_operators_on
+    from peakflat_jax.plan.search import make_plan
+    from peakflat_jax.plan.terms import pinned_allocations
+
+    def pinned(config, memory_gib=None, host_gib=None) -> list[int]:
+        plan = make_plan(config, planned_devices(config), platform="gpu",
+                         device_memory=int(memory_gib * GIB) if memory_gib else None,
+                         host_memory=int(host_gib * GIB) if host_gib else None,
+                         baseline=False, search_context=False)
+        return pinned_allocations(plan.knobs, plan.terms)
+
+    memory_gib = config.train.device_memory_gib or config.device.memory_gib
+    allocations = (pinned(config, memory_gib, config.device.host_memory_gib)
+                   if memory_gib else [])
+    if not allocations:
+        # Nothing pinned by the run's own plan, or no memory to plan it with: the cap of every
+        # auto operator on, which costs nothing where nothing is pinned and leaves room where
+        # the trainer, on the memory it finds, chooses to pin.
+        allocations = pinned(with_operators_on(config))
+    return planned_limit_gib(allocations) if allocations else None
 
 
 def cap_from_plan(config) -> int | None:

@@ -114,18 +114,16 @@ def choose_layer_loop(config: Config, knobs, platform: str,
            else "chosen: no optimizer stream to overlap here; one layer compiled whatever the "
                 "depth")
     if overlapped and device_memory is not None:
-        from peakflat_jax.plan.programs import program_bytes
-        from peakflat_jax.plan.terms import plan_terms
+        from peakflat_jax.plan.programs import fits_in_memory
 
-        def total(loop: str) -> int:
-            unrolled = config.replace(operators={"layer_loop": loop})
-            return max(program_bytes(plan_terms(unrolled, knobs, platform=platform)).values())
+        def fits(loop: str) -> bool:
+            return fits_in_memory(config.replace(operators={"layer_loop": loop}), knobs,
+                                  platform, device_memory, None)
 
-        if (needs := total("unrolled")) > device_memory >= total("scan"):
+        if not fits("unrolled") and fits("scan"):
             loop = "scan"
-            why = (f"chosen: the unrolled loop would need {needs / 2**30:.1f} GiB (XLA:GPU makes "
-                   f"every MoE layer's fp32 weight-gradient sums at once there), the scanned "
-                   f"one fits")
+            why = ("chosen: the unrolled step does not fit the device (XLA:GPU makes every MoE "
+                   "layer's fp32 weight-gradient sums at once there), the scanned one does")
     return config.replace(operators={"layer_loop": loop}), [Choice("operators.layer_loop",
                                                                    loop, why)]
 
