@@ -55,9 +55,10 @@ an H200 showed what XLA did without it):
   parameter gradients in place into the stacked result. Without these two, XLA held all L
   layers' parameter copies and offloading more boundaries stopped lowering the peak.
 
-A loop's iterations run one after another, which gives the scanned loop the same order without
-barriers (and XLA:GPU's host offloading failed to compile a barrier between a host copy and a
-loop's write of it). The unrolled loop stays for comparison and for ``PerLayer`` parameters that
+A loop's iterations run one after another, which gives the scanned loop the same order with one
+barrier (and XLA:GPU's host offloading failed to compile a barrier between a host copy and a
+loop's write of it): each layer's recompute waits for the cotangent from above, which a loop of
+one iteration (straight-line code to XLA) or the first layer of a stack needs. The unrolled loop stays for comparison and for ``PerLayer`` parameters that
 must reach each layer separately; docs/sco.md holds what each measured.
 
 On CPU the memory kinds lower to nothing, so tests check values, the placement of transfers,
@@ -483,7 +484,13 @@ def _sco_scanned_bwd(layer_fn, runs, residuals, d_carry):
 
     def layer_vjp(boundary, layer, d_inexact, d_stacked):
         """Layer ``layer`` recomputed from its boundary and differentiated; its parameter
-        gradients written in place into the stacked result."""
+        gradients written in place into the stacked result. The recompute waits for the
+        cotangent from the layers above: a loop of one layer (a stack of one dense layer) is
+        straight-line code to XLA, which otherwise merged the recompute with the forward
+        (common subexpressions) or ran it before the other stacks' backward, holding that
+        layer's activations through the whole step (5.7 GiB at h200-1's 256K in XLA:GPU's
+        buffer assignment)."""
+        boundary, d_inexact = lax.optimization_barrier((boundary, d_inexact))
         _, vjp = jax.vjp(layer_fn, boundary, _layer_at(stacked_params, layer))
         d_boundary, d_layer = vjp(carry_leaves.full(d_inexact))
         d_layer = param_def.flatten_up_to(d_layer)
