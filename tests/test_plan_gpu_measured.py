@@ -372,7 +372,8 @@ def _session3_run(run: str) -> dict:
 SESSION3_DEVICE = [
     # (the record's run, overrides of h200-1, what was measured), each at its commit
     pytest.param(
-        "plan_check_sco_64k_after", ALL_OFF + ["operators.offload=all", "operators.layer_loop=scan"], "xla_plan_bytes",
+        "plan_check_sco_64k_after",
+        ALL_OFF + ["operators.offload=all", "operators.layer_loop=scan"], "xla_plan_bytes",
         id="SCO alone, 64K, XLA's plan after the barrier"),
     pytest.param("base_378176", ALL_OFF + ["data.seq_len=378176"], "peak_device_bytes",
                  id="all off, 378K, allocator peak, before the barrier"),

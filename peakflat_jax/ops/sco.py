@@ -58,8 +58,9 @@ an H200 showed what XLA did without it):
 A loop's iterations run one after another, which gives the scanned loop the same order with one
 barrier (and XLA:GPU's host offloading failed to compile a barrier between a host copy and a
 loop's write of it): each layer's recompute waits for the cotangent from above, which a loop of
-one iteration (straight-line code to XLA) or the first layer of a stack needs. The unrolled loop stays for comparison and for ``PerLayer`` parameters that
-must reach each layer separately; docs/sco.md holds what each measured.
+one iteration (straight-line code to XLA) or the first layer of a stack needs. The unrolled
+loop stays for comparison and for ``PerLayer`` parameters that must reach each layer
+separately; docs/sco.md holds what each measured.
 
 On CPU the memory kinds lower to nothing, so tests check values, the placement of transfers,
 the barriers' ties in the jaxpr, and XLA's plan against ``sco_memory_terms``.
