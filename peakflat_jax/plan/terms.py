@@ -64,11 +64,11 @@ MEMORY_FORMULAS: dict[str, str] = {
                "cotangents, in the model's dtype (XLA:GPU's buffer assignment at 64K and 256K)",
     "ffn.under_attention": "4 * N * F_d * b on a GPU: four of them live through the attention's "
                            "backward (XLA:GPU runs the FFN's weight gradients after it)",
-    "moe.dispatch_gpu": "4 * M * H * b on a GPU in one chunk (EP): the rows of width H that "
+    "moe.dispatch_gpu": "4 * M * H * b on one GPU in one chunk (EP): the rows of width H that "
                         "XLA:GPU holds at once in the layer's backward (its buffer assignments "
                         "of h200-1's EP step at 64K and 256K: at most four [M, H])",
-    "moe.expert_ffn_gpu": "4 * M * F * b on a GPU in one chunk (EP): the rows of width F held at "
-                          "once (the same buffer assignments: at most four [M, F])",
+    "moe.expert_ffn_gpu": "4 * M * F * b on one GPU in one chunk (EP): the rows of width F held "
+                          "at once (the same buffer assignments: at most four [M, F])",
     "moe.hoisted_weight_sums": "(L_m - 1) * 3 * G * H * F * 4 on a GPU, layers unrolled: the "
                                "other MoE layers' fp32 weight-gradient sums, made at once "
                                "before the first MoE backward (XLA:GPU's buffer assignment of "
@@ -518,9 +518,12 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
             terms.append(("shared_expert", 6 * n * model.shared_expert_ffn * 4, "layer/ffn",
                           MEMORY_FORMULAS["shared_expert"]))
             moe, formulas = _moe_terms(config, knobs, platform)
-            if platform == "gpu" and knobs.moe_dispatch == "ep" and not moe["weight_sum"]:
-                # One chunk on the Mosaic path: XLA:GPU fuses the backward's row copies (its
-                # buffer assignments of h200-1's EP step at 64K and 256K, docs/plan.md).
+            if (platform == "gpu" and knobs.moe_dispatch == "ep" and not moe["weight_sum"]
+                    and knobs.num_devices == 1):
+                # One chunk on the Mosaic path, one device: XLA:GPU fuses the backward's row
+                # copies (its buffer assignments of h200-1's EP step at 64K and 256K,
+                # docs/plan.md). With devices to exchange with, the send buckets and arrivals
+                # are real and unmeasured: the operator's terms stay.
                 rows = knobs.num_devices * model.top_k * n  # M
                 moe["dispatch"] = 4 * rows * h * itemsize
                 moe["expert_ffn"] = 4 * rows * model.expert_ffn * itemsize
