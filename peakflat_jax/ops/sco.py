@@ -491,7 +491,7 @@ def _sco_scanned_bwd(layer_fn, runs, residuals, d_carry):
         (common subexpressions) or ran it before the other stacks' backward, holding that
         layer's activations through the whole step (5.7 GiB at h200-1's 256K in XLA:GPU's
         buffer assignment)."""
-        pass  # BAREXP
+        boundary, d_inexact = lax.optimization_barrier((boundary, d_inexact))
         _, vjp = jax.vjp(layer_fn, boundary, _layer_at(stacked_params, layer))
         d_boundary, d_layer = vjp(carry_leaves.full(d_inexact))
         d_layer = param_def.flatten_up_to(d_layer)
