@@ -524,7 +524,7 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
                 # copies (its buffer assignments of h200-1's EP step at 64K and 256K,
                 # docs/plan.md). With devices to exchange with, the send buckets and arrivals
                 # are real and unmeasured: the operator's terms stay.
-                rows = knobs.num_devices * model.top_k * n  # M
+                rows = model.top_k * n  # M on one device
                 moe["dispatch"] = 4 * rows * h * itemsize
                 moe["expert_ffn"] = 4 * rows * model.expert_ffn * itemsize
                 formulas = {**formulas, "dispatch": MEMORY_FORMULAS["moe.dispatch_gpu"],
