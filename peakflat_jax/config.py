@@ -395,6 +395,10 @@ class TrainConfig:
     under compute (``peakflat_jax.train.profile``); 0: none."""
     device_memory_gib: float | None = None
     """The device's memory for the fit check (GiB); None: read from the device."""
+    host_memory_gib: float | None = None
+    """One device's share of the host's memory for the fit check (GiB); None: the host's
+    physical memory over its local devices (which a VM whose memory grows as it is used may
+    report below what it can hold)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -664,9 +668,10 @@ def check_config(config: Config) -> Config:
     if opt.max_grad_norm is not None and opt.max_grad_norm <= 0:
         raise ConfigError(f"optimizer.max_grad_norm: expected null or a positive number, got "
                           f"{opt.max_grad_norm}")
-    if t.device_memory_gib is not None and not t.device_memory_gib > 0:
-        raise ConfigError(f"train.device_memory_gib: expected null or a positive number of GiB, "
-                          f"got {t.device_memory_gib}")
+    for key, value in (("train.device_memory_gib", t.device_memory_gib),
+                       ("train.host_memory_gib", t.host_memory_gib)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{key}: expected null or a positive number of GiB, got {value}")
     target = config.device
     if target.count is not None and target.count < 1:
         raise ConfigError(f"device.count: expected null or a positive integer, got "

@@ -10,7 +10,11 @@ import pytest
 from _helpers import relative_error
 from conftest import make_mesh
 
-from peakflat_jax.model.attention import choose_implementation, ulysses_attention
+from peakflat_jax.model.attention import (
+    check_sequence_length,
+    choose_implementation,
+    ulysses_attention,
+)
 
 TOL = 1e-5  # fp32 against float64, one softmax and two matmuls
 
@@ -103,3 +107,28 @@ def test_sinks_and_windows_take_the_xla_kernel():
     assert choose_implementation("auto", "gpu", jnp.bfloat16, xla_only=fields) == "xla"
     with pytest.raises(ValueError, match=r"cudnn cannot compute model.attention_sinks"):
         choose_implementation("cudnn", "gpu", jnp.bfloat16, xla_only=fields)
+
+
+@pytest.mark.parametrize("length", [634_549, 634_548, 443_720, 65_537, 4_096, 3])
+def test_the_cudnn_length_rule_is_jaxs_own(length):
+    """``check_sequence_length`` refuses exactly the lengths jax's cuDNN flash attention refuses
+    to train (its trace-time check, run here on shapes alone; the training path passes a bias
+    operand always, an empty one where there is none: has_bias True). The XLA kernel takes
+    any length."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    q = jax.ShapeDtypeStruct((1, length, 16, 128), jnp.bfloat16)
+    try:
+        cudnn.check_is_flash_attention(q, q, q, cudnn.AttentionLayout.BTNH.value, 91000,
+                                       True, True)
+        jax_refuses = False
+    except NotImplementedError:
+        jax_refuses = True
+    try:
+        check_sequence_length("cudnn", length)
+        we_refuse = False
+    except ValueError as error:
+        assert f"got {length}" in str(error)
+        we_refuse = True
+    assert we_refuse == jax_refuses
+    check_sequence_length("xla", length)

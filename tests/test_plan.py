@@ -372,6 +372,28 @@ def test_largest_context_is_the_edge_of_feasibility():
     assert not beyond.feasible
 
 
+def test_a_gpu_plan_s_largest_context_is_a_length_cudnn_trains():
+    """On a GPU the attention is cuDNN's, which trains only even lengths (model.attention): the
+    search's edge is the even one below where memory runs out (h200-1 ours: 634,549 tokens fit
+    by the closed form, and cuDNN refused them on the H200), and a plan of an odd length says
+    so, naming data.seq_len, before anything compiles; the XLA kernel takes it."""
+    config = load_config("h200-1")
+    memory = dict(device_memory=int(config.device.memory_gib * 2**30),
+                  host_memory=int(config.device.host_memory_gib * 2**30))
+    largest = pl.make_plan(config, 1, platform="gpu", baseline=False, **memory).largest_context
+    assert largest % 2 == 0
+    for context in (largest, largest + 2):
+        at = pl.make_plan(config, 1, context=context, platform="gpu", baseline=False,
+                          search_context=False, **memory)
+        assert at.feasible == (context == largest)
+    odd = load_config("h200-1", [f"data.seq_len={largest + 1}"])
+    with pytest.raises(pl.PlanError, match=rf"data.seq_len: cuDNN .* got {largest + 1}"):
+        pl.make_plan(odd, 1, platform="gpu", baseline=False, search_context=False, **memory)
+    xla = odd.replace(operators={"attention": "xla"})
+    assert pl.make_plan(xla, 1, platform="gpu", baseline=False, search_context=False,
+                        **memory).knobs.attention == "xla"
+
+
 def test_auto_finds_a_longer_context_and_its_knobs_fit():
     config = small("operators.optimizer_offload=false", "operators.offload=none")
     # 64 MiB for the run's arrays, beside what a GPU trainer process holds anyway.
@@ -498,6 +520,14 @@ def test_check_plan_refuses_with_the_table_and_what_to_change():
     # A CPU does not say its devices' memory: they live in the host's, each holds its share.
     on_cpu = pl.check_plan(config, jax.devices())
     assert on_cpu.feasible and on_cpu.device_memory == pl.read_host_memory()
+    # train.host_memory_gib stands in for the host's reading (a VM may report less than it
+    # holds): here held to 1 MiB, the CPU devices' share of it is too small.
+    held = small("operators.offload=none", "operators.optimizer_offload=false",
+                 "train.host_memory_gib=0.0009765625")
+    with pytest.raises(pl.DoesNotFit, match="it has 0.00 GiB"):
+        pl.check_plan(held, jax.devices())
+    with pytest.raises(ConfigError, match="train.host_memory_gib: expected null or a positive"):
+        small("train.host_memory_gib=0")
     assert pl.device_total_bytes(config, 8) == pl.check_plan(config, 8).total_bytes
     # The trainer runs the plan's knobs: a null budget comes back filled.
     null = small("operators.token_budget=null")

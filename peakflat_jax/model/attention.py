@@ -44,6 +44,11 @@ from jax.sharding import PartitionSpec as P
 
 IMPLEMENTATIONS = ("auto", "cudnn", "xla")
 CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# jax 0.11.2's cuDNN flash attention trains only sequences of an even length: its training path
+# always hands cuDNN a bias operand (an empty one where there is none), and a biased pattern
+# needs T % 2 == 0 (``check_is_flash_attention``). Measured on an H200: 634,549 refused with
+# NotImplementedError at trace time, 443,720 and 634,496 trained.
+CUDNN_SEQUENCE_MULTIPLE = 2
 
 
 def choose_implementation(requested: str, platform: str, dtype, *,
@@ -64,6 +69,22 @@ def choose_implementation(requested: str, platform: str, dtype, *,
         raise ValueError(f"attention: cudnn cannot compute {', '.join(xla_only)} (not done "
                          f"yet: the XLA kernel can, operators.attention: xla)")
     return requested
+
+
+def sequence_multiple(implementation: str) -> int:
+    """The sequence lengths the kernel trains are the multiples of this (cuDNN: even ones,
+    ``CUDNN_SEQUENCE_MULTIPLE``; XLA: any)."""
+    return CUDNN_SEQUENCE_MULTIPLE if implementation == "cudnn" else 1
+
+
+def check_sequence_length(implementation: str, seq_len: int) -> None:
+    """Raises ValueError where ``implementation`` cannot train sequences of ``seq_len`` tokens
+    (before anything is traced: jax's own check fires at trace time, as a traceback)."""
+    multiple = sequence_multiple(implementation)
+    if seq_len % multiple:
+        raise ValueError(f"cuDNN flash attention trains only sequence lengths that are "
+                         f"multiples of {multiple}, got {seq_len} (take {seq_len - 1}, or "
+                         f"operators.attention: xla)")
 
 
 def xla_only_fields(model) -> tuple[str, ...]:

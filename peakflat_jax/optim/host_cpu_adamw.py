@@ -43,21 +43,35 @@ MEMORY_FORMULAS = {
                          "they came down, whose buffer the new working params reuse, and one "
                          "leaf's clipped fp32 gradient at a time, the largest's (P_max, whole; "
                          "the process's W devices share it): XLA:CPU's plan of the host update",
+    "cpu_adamw_cross_client_copy": "P * b on a GPU: the gradients' host copy as jax moves them "
+                                   "from the GPU's client to the CPU's (inferred from one "
+                                   "H200 host peak, h200-e2e at 64K: 124.62 GiB)",
+    "cpu_adamw_cpu_client": "1.25 GiB on a GPU: the CPU client beside the GPU trainer's runtime "
+                            "(resident between steps over the state: 7.14 and 7.22 GiB on an "
+                            "H200, against the runtime's 6.0)",
 }
+CPU_CLIENT_BYTES = int(1.25 * 2**30)
+"""``cpu_adamw_cpu_client`` (``MEMORY_FORMULAS``): measured, not derived."""
 
 
 def host_cpu_adamw_host_terms(num_params_per_device: int, param_dtype, *, largest_leaf: int,
-                              num_devices: int, clipped: bool) -> dict[str, int]:
+                              num_devices: int, clipped: bool,
+                              platform: str) -> dict[str, int]:
     """Per-device host bytes of each term (``MEMORY_FORMULAS``): the state, and what the
     update's program holds beside it; ``largest_leaf``: P_max, the largest leaf's elements
     (whole); ``num_devices``: W, the devices whose shards the one program updates;
-    ``clipped``: global-norm clipping on."""
+    ``clipped``: global-norm clipping on; ``platform``: the devices' (on ``cpu`` the gradients
+    stay in one client and nothing is copied between two)."""
     num_params = as_int("num_params_per_device", num_params_per_device)
     largest, width = as_int("largest_leaf", largest_leaf), as_int("num_devices", num_devices)
     itemsize = jnp.dtype(param_dtype).itemsize
     clipped_leaf = -(-4 * largest // width) if clipped else 0
-    return {"cpu_adamw_state": 12 * num_params,
-            "cpu_adamw_transit": num_params * itemsize + clipped_leaf}
+    terms = {"cpu_adamw_state": 12 * num_params,
+             "cpu_adamw_transit": num_params * itemsize + clipped_leaf}
+    if platform == "gpu":
+        terms["cpu_adamw_cross_client_copy"] = num_params * itemsize
+        terms["cpu_adamw_cpu_client"] = CPU_CLIENT_BYTES
+    return terms
 
 
 def host_cpu_adamw_link_bytes(num_params_per_device: int, param_dtype) -> dict[str, int]:

@@ -9,7 +9,11 @@ import jax.numpy as jnp
 
 from peakflat_jax import mesh as mop
 from peakflat_jax.config import Config, ConfigError, offload_count
-from peakflat_jax.model.attention import choose_implementation, xla_only_fields
+from peakflat_jax.model.attention import (
+    check_sequence_length,
+    choose_implementation,
+    xla_only_fields,
+)
 from peakflat_jax.ops.sco import HostBudget
 from peakflat_jax.plan.errors import PlanError
 from peakflat_jax.plan.programs import Choice, fits_in_memory
@@ -39,6 +43,10 @@ def knobs_from_config(config: Config, num_devices: int, *, context: int | None =
                                           xla_only=xla_only_fields(model))
     except ValueError as error:
         raise ConfigError(f"operators.attention: {error}") from None
+    try:
+        check_sequence_length(attention, context)
+    except ValueError as error:
+        raise PlanError(f"data.seq_len: {error}") from None
     knobs = Knobs(data=data, seq=seq, batch_size=batch_size, context=context,
                   moe_dispatch=ops.moe_dispatch, token_budget=ops.token_budget,
                   max_chunks=ops.max_chunks, loss=ops.loss, loss_mode=ops.loss_mode,

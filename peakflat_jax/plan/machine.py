@@ -46,12 +46,13 @@ def check_plan(config: Config, mesh_or_devices, device_memory: int | None = None
                host_memory: int | None = None) -> Plan:
     """The plan of ``config`` on a mesh (or a device count, or a list of devices) at its
     ``data.seq_len``, null knobs filled (``Plan.knobs``: run with these). Memories in bytes per
-    device; None: ``train.device_memory_gib``, else read from the devices (the host: its
-    physical memory over its local devices). Raises DoesNotFit, with the table of terms and what
-    to change, when the step does not fit. A CPU does not report its devices' memory: they live
-    in the host's, so each is held to its share of the host (``cpu_device_memory``); without
-    that, a config a thousand times too large reached XLA:CPU's compiler, which died of a
-    division by zero (SIGFPE) emitting the T x T attention scores at T = 2^20."""
+    device; None: ``train.device_memory_gib`` (``train.host_memory_gib``), else read from the
+    devices (the host: its physical memory over its local devices). Raises DoesNotFit, with
+    the table of terms and what to change, when the step does not fit. A CPU does not report
+    its devices' memory: they live in the host's, so each is held to its share of the host
+    (``cpu_device_memory``); without that, a config a thousand times too large reached
+    XLA:CPU's compiler, which died of a division by zero (SIGFPE) emitting the T x T attention
+    scores at T = 2^20."""
     devices = None
     if isinstance(mesh_or_devices, int):
         num_devices = mesh_or_devices
@@ -67,6 +68,8 @@ def check_plan(config: Config, mesh_or_devices, device_memory: int | None = None
         device_memory = int(config.train.device_memory_gib * GIB)
     if device_memory is None:
         device_memory = read_device_memory(devices)
+    if host_memory is None and config.train.host_memory_gib:
+        host_memory = int(config.train.host_memory_gib * GIB)
     if host_memory is None:
         host_memory = read_host_memory()
     plan = make_plan(config, num_devices, device_memory=device_memory, host_memory=host_memory,

@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 from peakflat_jax.config import Config, to_dict
+from peakflat_jax.model.attention import sequence_multiple
 from peakflat_jax.plan.errors import PlanError
 from peakflat_jax.plan.knobs import block_choices, choose_knobs, chunk_choices, knobs_from_config
 from peakflat_jax.plan.operators import choose_layer_loop, choose_operators, with_operators_on
@@ -85,13 +86,15 @@ def largest_context(config: Config, num_devices: int, *, device_memory: int,
                     host_memory: int | None = None, platform: str = "gpu",
                     knobs: Knobs | None = None, auto: bool = False,
                     rates: Rates = Rates()) -> int | None:
-    """The largest context (a multiple of mesh.seq) whose step fits, at the batch size of
+    """The largest context (a multiple of mesh.seq, and of what the attention kernel trains:
+    ``model.attention.sequence_multiple``) whose step fits, at the batch size of
     ``knobs`` (default the config's): with the knobs' fixed settings and null knobs at their
     lightest (with ``auto``: every knob at its lightest). None when none fits."""
     if knobs is None:
         knobs = knobs_from_config(config, num_devices, platform=platform)
     step = knobs.seq * (knobs.num_devices // math.gcd(knobs.num_devices,
                                                       knobs.batch_size * knobs.seq))
+    step = math.lcm(step, sequence_multiple(knobs.attention))
 
     def fits(context: int) -> bool:
         k = knobs_from_config(config, num_devices, context=context,

@@ -397,7 +397,8 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
         add("optimizer_update", 0, "update", MEMORY_FORMULAS["optimizer_update_host_cpu"])
         host = host_cpu_module.host_cpu_adamw_host_terms(
             weights.param_count, model.dtype, largest_leaf=weights.largest_leaf,
-            num_devices=width, clipped=config.optimizer.max_grad_norm is not None)
+            num_devices=width, clipped=config.optimizer.max_grad_norm is not None,
+            platform=platform)
         add_all("host.", host, "host", host_cpu_module.MEMORY_FORMULAS)
     elif platform == "gpu":
         # XLA:GPU fuses AdamW into elementwise loops over the donated state: h200-1's whole

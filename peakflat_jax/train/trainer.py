@@ -46,7 +46,11 @@ from jax.sharding import PartitionSpec as P
 
 from peakflat_jax import mesh as mop
 from peakflat_jax.config import Config, ConfigError, to_dict
-from peakflat_jax.model.attention import choose_implementation, xla_only_fields
+from peakflat_jax.model.attention import (
+    check_sequence_length,
+    choose_implementation,
+    xla_only_fields,
+)
 from peakflat_jax.model.decoder import IGNORE
 from peakflat_jax.model.layers import Runtime
 from peakflat_jax.model.sharding import abstract_model, init_model
@@ -113,6 +117,10 @@ def runtime_for(config: Config, mesh) -> Runtime:
                                           xla_only=xla_only_fields(config.model))
     except ValueError as error:
         raise ConfigError(f"operators.attention: {error}") from None
+    try:
+        check_sequence_length(attention, config.data.seq_len)
+    except ValueError as error:
+        raise ConfigError(f"data.seq_len: {error}") from None
     budget = ops.token_budget if ops.moe_dispatch == "pipelined" else None
     return Runtime(mesh=mesh, operators=ops, attention=attention,
                    max_segments=1 if config.data.source == "synthetic" else
