@@ -5,7 +5,7 @@ full remat, cuDNN flash attention, the materialized loss, expert parallelism wit
 grouped matmul, the same mesh; optax's AdamW on the device where it fits, and where it does not
 the same AdamW with its state in host memory updated by the host CPU, ZeRO-Offload's placement,
 ``optimizer.update_on: host_cpu``), which the planner does not hold back: it fits where XLA and
-the allocator let it run (``train.device_memory_gib`` lifted).
+the allocator let it run (``train.device_memory_gib`` and ``train.host_memory_gib`` lifted).
 
     python scripts/bench_end_to_end.py --config h200-1 [--out-dir DIR]   # one H200
     python scripts/bench_end_to_end.py --config h200-2                   # two H200s
@@ -44,10 +44,11 @@ from peakflat_jax.bench import harness
 
 STACKS = {
     "peakflat": [],
-    # The planner's check lifted: the standard stack runs until XLA or the allocator stops it.
+    # The planner's check lifted: the standard stack runs until XLA, the allocator or the host
+    # stops it.
     "baseline": ["operators.moe_dispatch=ep", "operators.loss=materialized",
                  "operators.offload=none", "operators.optimizer_offload=false",
-                 "train.device_memory_gib=1000000"],
+                 "train.device_memory_gib=1000000", "train.host_memory_gib=1000000"],
 }
 MODE = {"peakflat": "auto", "baseline": "device"}
 HOST_CPU = ["optimizer.update_on=host_cpu"]
