@@ -374,6 +374,31 @@ def test_two_processes_give_the_losses_of_one(tmp_path):
     np.testing.assert_allclose(losses_two, losses_one, rtol=1e-5)
 
 
+@pytest.mark.parametrize("saved, resumed, key", [
+    ([], ["optimizer.update_on=host_cpu", *ALL_OFF], "optimizer.update_on"),
+    (ALL_OFF, ["operators.optimizer_offload=true"], "operators.optimizer_offload"),
+    ([], ["model.num_layers=3"], "model.num_layers"),
+])
+def test_a_resume_under_another_state_s_settings_is_refused_by_name(tmp_path, saved, resumed,
+                                                                    key):
+    """A run directory's config.json against the resuming run's settings that shape the
+    checkpointed state (run_dir.STATE_KEYS): refused in one line naming the setting and its
+    saved value, before a state is made or a program compiled (orbax, restoring into the other
+    tree, failed with an error about its own structures). The directory holds no checkpoint:
+    the settings are checked first."""
+    from peakflat_jax.config import to_dict
+    from peakflat_jax.train.run_dir import RunDirError
+
+    first = Trainer(small_config(*saved), run_dir=str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(to_dict(first.config)))
+    again = Trainer(small_config(*saved, *resumed), run_dir=str(tmp_path))
+    with pytest.raises(RunDirError, match=rf"--resume: .* holds a run with {key} = ") as refused:
+        again.run(resume=True, progress=False)
+    assert "\n" not in str(refused.value) and "--overwrite" in str(refused.value)
+    with pytest.raises(RunDirError, match="holds no complete checkpoint"):  # same settings
+        Trainer(small_config(*saved), run_dir=str(tmp_path)).run(resume=True, progress=False)
+
+
 def test_a_config_that_does_not_fit_is_refused_before_compiling(tmp_path):
     """The planner's closed form, before anything compiles: the table of terms and what to
     change, exit status 2, and no compiled program (the run stops in well under a compile)."""

@@ -465,8 +465,10 @@ def _pool_growth(config: Config, pinned: list[int]) -> int:
 def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightBytes,
                  layer_sets: dict) -> list[tuple[str, int, str, str]]:
     """(name, bytes, live, formula) of the largest layer's recompute and backward. Within the
-    layer, the attention's backward and the FFN's (or MoE's) never overlap: each is its own
-    sub-phase beside what the whole layer holds (its saved activations and weights)."""
+    layer, the attention's backward and the FFN's (or MoE's) are sub-phases of their own beside
+    what the whole layer holds (its saved activations and weights); what one sub-phase keeps
+    through the other is a term of that other (on a GPU, ``ffn.under_attention``: the dense
+    FFN's buffers that XLA:GPU keeps through the attention's backward where memory allows)."""
     model = config.model
     itemsize = jnp.dtype(model.dtype).itemsize
     n, h = knobs.tokens_per_device, model.hidden

@@ -538,7 +538,7 @@ class Trainer:
         checkpoint_dir = self.run_dir / "checkpoints"
         saved_step = ckpt.latest_step(checkpoint_dir) if resume else None
         run_dirs.check_run_dir(self.run_dir, resume=resume, overwrite=overwrite,
-                               saved_step=saved_step)
+                               saved_step=saved_step, config=to_dict(config))
         if resume and saved_step >= last_step:
             return self._finished_already(saved_step)
         wait_for_every_process("peakflat-run-dir-checked")  # before process 0 clears it
