@@ -55,13 +55,13 @@ dump() {  # dump NAME MODULE_RE OVERRIDES...: plan --check with XLA's GPU dumps 
 dump off443k train_step "${ALL_OFF[@]}" data.seq_len=443720
 export PEAKFLAT_JAX_CACHE=/tmp/cache
 run e2e_hostcpu_65536 330 "${train[@]}" h200-e2e data.seq_len=65536 train.steps=3 \
-  "${ALL_OFF[@]}" optimizer.update_on=host_cpu train.device_memory_gib=1000000 "${nc[@]}" \
+  "${ALL_OFF[@]}" optimizer.update_on=host_cpu train.device_memory_gib=1000000 train.host_memory_gib=1000000 "${nc[@]}" \
   --run-dir /tmp/r-hc64; keep /tmp/r-hc64 e2e_hostcpu_65536
 run e2e_auto_262144 420 "${train[@]}" h200-e2e data.seq_len=262144 train.steps=3 "${nc[@]}" \
   --run-dir /tmp/r-e2e-256k; keep /tmp/r-e2e-256k e2e_auto_262144
 run e2e_batch_ours 300 "${train[@]}" h200-e2e data.seq_len=32768 data.batch_size=8 \
   train.steps=3 "${nc[@]}" --run-dir /tmp/r-b8; keep /tmp/r-b8 e2e_batch_ours
 run e2e_batch_hostcpu 330 "${train[@]}" h200-e2e data.seq_len=32768 data.batch_size=2 \
-  train.steps=3 "${ALL_OFF[@]}" optimizer.update_on=host_cpu train.device_memory_gib=1000000 \
+  train.steps=3 "${ALL_OFF[@]}" optimizer.update_on=host_cpu train.device_memory_gib=1000000 train.host_memory_gib=1000000 \
   "${nc[@]}" --run-dir /tmp/r-b2; keep /tmp/r-b2 e2e_batch_hostcpu
 echo "=== all done $(date -Is)"

@@ -32,8 +32,8 @@ STATE_KEYS = ("model", "optimizer.update_on", "operators.optimizer_offload",
               "optimizer.bucket_params")
 """The config's settings that shape the checkpointed state: the weights' tree, and the optimizer
 state's place and layout (on the device, on the host for its CPU, or streamed in buckets of
-``bucket_params``). A resume under other values of these would restore into another tree, which
-orbax refuses with an error about its own structures."""
+``bucket_params``, which count only where it is streamed). A resume under other values of these
+would restore into another tree, which orbax refuses with an error about its own structures."""
 
 
 class RunDirError(ConfigError):
@@ -85,7 +85,10 @@ def _setting(config: dict, key: str):
 def _check_same_state(run_dir: pathlib.Path, saved: dict, config: dict) -> None:
     """The first of ``STATE_KEYS`` (a model field by name) where ``config`` differs from the
     run's ``saved`` config, as a RunDirError."""
+    streamed = _setting(saved, "operators.optimizer_offload") is True
     for key in STATE_KEYS:
+        if key == "optimizer.bucket_params" and not streamed:
+            continue  # the buckets shape the state only where it is streamed
         was, now = _setting(saved, key), _setting(config, key)
         if key == "model" and isinstance(was, dict) and isinstance(now, dict):
             for field in sorted(set(was) & set(now)):  # a field a later version added: none
