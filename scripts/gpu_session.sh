@@ -1,25 +1,26 @@
 #!/usr/bin/env bash
-# The next session's GPU runs, as the stages of one detached driver on nvidia-h200 (~26 min;
-# the last stages may not finish), most decisive first, each with its own limit; logs and
-# records under $LOGS as they go.
+# The next session's GPU runs, as the stages of one detached driver on nvidia-h200 (~23 min),
+# most decisive first, each with its own limit; logs and records under $LOGS as they go.
 #
 #   cp ../shared/gpu/driver.sh .gpu/ && cp scripts/gpu_session.sh .gpu/stages.sh  (wheels: .whl/)
-#   call 1 (carry [".gpu", ".whl"]): PEAKFLAT_COMMIT=<sha> bash .gpu/driver.sh start .gpu/stages.sh 555
-#   calls 2.. (no carry, within 30 s: a later call finds a fresh machine and the driver gone):
-#     poll for "all done" in /tmp/gpu-logs/driver.log, then
+#   call 1 (carry [".gpu", ".whl"]): PEAKFLAT_COMMIT=<sha> bash .gpu/driver.sh start .gpu/stages.sh 540
+#   calls 2.. (no carry, within 30 s of the last; a later call finds a fresh machine and the
+#   driver gone), each returning as soon as the driver is done:
+#     for i in $(seq 108); do grep -q "all done" /tmp/gpu-logs/driver.log && break; sleep 5; done
 #     bash /tmp/work/.gpu/driver.sh collect
+#   then give_back at once (the last driver finished 8 minutes before its call's sleep did).
 #
-# What each stage answers (the last drivers' records: h200_session_gpu_20261201-185430.json,
-# h200_session_gpu_20261201-220535.json):
-#   dump_off443k  issue 25: XLA's GPU dumps of h200-1's standard stack at the plan's largest
-#               (443,720): which of EP's rows XLA frees before the attention's backward when
-#               memory is scarce (the plan is 1.22x there and 1.1x of it fits)
-#   e2e_hostcpu_65536   issue 27: the standard stack's longest with its AdamW on the host CPU
-#               (plan: 67,414; compiled at 127.3 GiB last time, the step never ran), its peak
-#               resident memory (host_peak_bytes, VmHWM)
-#   e2e_auto_262144  issues 25 and 27: ours at 256K as the plan now takes it (EP, the ring
-#               loss, SCO, the optimizer streamed, unrolled: 128.9 GiB planned)
-#   e2e_batch_*  issue 27: the largest batch at 32K, ours (8) and the host-CPU standard stack (2)
+# What each stage answers (the last drivers' records: h200_session_gpu_20261201-220535.json,
+# h200_session_gpu_20261202-064500.json):
+#   dump_off532k, dump_off621k  issue 25: XLA:GPU's dumps of h200-1's standard stack at 1.2x and
+#               1.4x the plan's largest, which fit (122.2 and 130.2 GiB): the reordered live set
+#               under memory pressure and XLA's packing, for a pressure-aware term checked on
+#               points it was not fitted to (443K's dump is in the records)
+#   check_off_*  issue 25: where the standard stack stops fitting (1.5x, 1.6x: compiled only)
+#   e2e_hostcpu_b2  issue 27: the host-CPU standard stack's batch at 32K (plan: 2; ours trains 8)
+#   e2e_auto_427790  issues 25 and 27: ours at h200-e2e's planned largest (6.5x the host-CPU
+#               stack's 65,536)
+#   check_hostcpu_b3  issue 27: XLA's plan of the host-CPU stack at 32K x 3 (does it fit?)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -52,16 +53,19 @@ dump() {  # dump NAME MODULE_RE OVERRIDES...: plan --check with XLA's GPU dumps 
     head -c 20000000 "$f" > "/tmp/pick-$name/$(basename "$f")"; done
   tar -czf "$LOGS/dump-$name.tgz" -C /tmp "pick-$name"
 }
-dump off443k train_step "${ALL_OFF[@]}" data.seq_len=443720
+dump off532k train_step "${ALL_OFF[@]}" data.seq_len=532464 train.device_memory_gib=1000000
+dump off621k train_step "${ALL_OFF[@]}" data.seq_len=621208 train.device_memory_gib=1000000
+for n in 665580 709952; do
+  run "check_off_$n" 130 python3 -m peakflat_jax.cli plan h200-1 "${ALL_OFF[@]}" data.seq_len=$n \
+    train.device_memory_gib=1000000 --check
+done
 export PEAKFLAT_JAX_CACHE=/tmp/cache
-run e2e_hostcpu_65536 330 "${train[@]}" h200-e2e data.seq_len=65536 train.steps=3 \
-  "${ALL_OFF[@]}" optimizer.update_on=host_cpu train.device_memory_gib=1000000 train.host_memory_gib=1000000 "${nc[@]}" \
-  --run-dir /tmp/r-hc64; keep /tmp/r-hc64 e2e_hostcpu_65536
-run e2e_auto_262144 420 "${train[@]}" h200-e2e data.seq_len=262144 train.steps=3 "${nc[@]}" \
-  --run-dir /tmp/r-e2e-256k; keep /tmp/r-e2e-256k e2e_auto_262144
-run e2e_batch_ours 300 "${train[@]}" h200-e2e data.seq_len=32768 data.batch_size=8 \
-  train.steps=3 "${nc[@]}" --run-dir /tmp/r-b8; keep /tmp/r-b8 e2e_batch_ours
-run e2e_batch_hostcpu 330 "${train[@]}" h200-e2e data.seq_len=32768 data.batch_size=2 \
-  train.steps=3 "${ALL_OFF[@]}" optimizer.update_on=host_cpu train.device_memory_gib=1000000 train.host_memory_gib=1000000 \
-  "${nc[@]}" --run-dir /tmp/r-b2; keep /tmp/r-b2 e2e_batch_hostcpu
+HOST_CPU=("${ALL_OFF[@]}" optimizer.update_on=host_cpu train.device_memory_gib=1000000
+          train.host_memory_gib=1000000)
+run e2e_hostcpu_b2 330 "${train[@]}" h200-e2e data.seq_len=32768 data.batch_size=2 \
+  train.steps=3 "${HOST_CPU[@]}" "${nc[@]}" --run-dir /tmp/r-b2; keep /tmp/r-b2 e2e_hostcpu_b2
+run e2e_auto_427790 420 "${train[@]}" h200-e2e data.seq_len=427790 train.steps=3 "${nc[@]}" \
+  --run-dir /tmp/r-e2e-428k; keep /tmp/r-e2e-428k e2e_auto_427790
+run check_hostcpu_b3 150 python3 -m peakflat_jax.cli plan h200-e2e data.seq_len=32768 \
+  data.batch_size=3 "${HOST_CPU[@]}" --check
 echo "=== all done $(date -Is)"
