@@ -12,11 +12,12 @@
 #
 # What each stage answers (the last drivers' records: h200_session_gpu_20261201-220535.json,
 # h200_session_gpu_20261202-064500.json):
-#   dump_off532k, dump_off621k  issue 25: XLA:GPU's dumps of h200-1's standard stack at 1.2x and
-#               1.4x the plan's largest, which fit (122.2 and 130.2 GiB): the reordered live set
-#               under memory pressure and XLA's packing, for a pressure-aware term checked on
-#               points it was not fitted to (443K's dump is in the records)
-#   check_off_*  issue 25: where the standard stack stops fitting (1.5x, 1.6x: compiled only)
+#   dump_off416k, dump_off532k, dump_off621k  issue 25: XLA:GPU's dumps of h200-1's standard
+#               stack at 416,768 (where XLA's plan is furthest above the live set without the
+#               FFN's buffers under the attention: 11.25 GiB) and at 1.2x and 1.4x the plan's
+#               largest, which fit (122.2 and 130.2 GiB): what XLA keeps under memory pressure
+#               and its packing (443K's dump is in the records; docs/plan.md, fourth driver)
+#   check_off_665580  issue 25: does the standard stack fit at 1.5x (compiled only)
 #   e2e_hostcpu_b2  issue 27: the host-CPU standard stack's batch at 32K (plan: 2; ours trains 8)
 #   e2e_auto_427790  issues 25 and 27: ours at h200-e2e's planned largest (6.5x the host-CPU
 #               stack's 65,536)
@@ -53,9 +54,10 @@ dump() {  # dump NAME MODULE_RE OVERRIDES...: plan --check with XLA's GPU dumps 
     head -c 20000000 "$f" > "/tmp/pick-$name/$(basename "$f")"; done
   tar -czf "$LOGS/dump-$name.tgz" -C /tmp "pick-$name"
 }
+dump off416k train_step "${ALL_OFF[@]}" data.seq_len=416768
 dump off532k train_step "${ALL_OFF[@]}" data.seq_len=532464 train.device_memory_gib=1000000
 dump off621k train_step "${ALL_OFF[@]}" data.seq_len=621208 train.device_memory_gib=1000000
-for n in 665580 709952; do
+for n in 665580; do
   run "check_off_$n" 130 python3 -m peakflat_jax.cli plan h200-1 "${ALL_OFF[@]}" data.seq_len=$n \
     train.device_memory_gib=1000000 --check
 done

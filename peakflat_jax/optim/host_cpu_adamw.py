@@ -43,6 +43,9 @@ MEMORY_FORMULAS = {
                          "they came down, whose buffer the new working params reuse, and one "
                          "leaf's clipped fp32 gradient at a time, the largest's (P_max, whole; "
                          "the process's W devices share it): XLA:CPU's plan of the host update",
+    "cpu_adamw_scalars": "1 KiB: the update's scalars and bookkeeping in XLA:CPU's plan of it "
+                         "(step counts, hyperparameters, the global norm; 932 bytes over 8 "
+                         "devices for tiny)",
     "cpu_adamw_cross_client_copy": "P * b on a GPU: the gradients' host copy as jax moves them "
                                    "from the GPU's client to the CPU's (inferred from one "
                                    "H200 host peak, h200-e2e at 64K: 124.62 GiB)",
@@ -50,6 +53,8 @@ MEMORY_FORMULAS = {
                             "(resident between steps over the state: 7.14 and 7.22 GiB on an "
                             "H200, against the runtime's 6.0)",
 }
+SCALAR_BYTES = 1024
+"""``cpu_adamw_scalars`` (``MEMORY_FORMULAS``): per device, whatever the model's size."""
 CPU_CLIENT_BYTES = int(1.25 * 2**30)
 """``cpu_adamw_cpu_client`` (``MEMORY_FORMULAS``): measured, not derived."""
 
@@ -67,7 +72,8 @@ def host_cpu_adamw_host_terms(num_params_per_device: int, param_dtype, *, larges
     itemsize = jnp.dtype(param_dtype).itemsize
     clipped_leaf = -(-4 * largest // width) if clipped else 0
     terms = {"cpu_adamw_state": 12 * num_params,
-             "cpu_adamw_transit": num_params * itemsize + clipped_leaf}
+             "cpu_adamw_transit": num_params * itemsize + clipped_leaf,
+             "cpu_adamw_scalars": SCALAR_BYTES}
     if platform == "gpu":
         terms["cpu_adamw_cross_client_copy"] = num_params * itemsize
         terms["cpu_adamw_cpu_client"] = CPU_CLIENT_BYTES

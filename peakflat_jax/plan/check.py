@@ -12,7 +12,10 @@ the closed form's: the bound does not hold here, and a run the planner approves 
 
 On XLA:CPU the host-resident optimizer state counts among a program's arguments and outputs
 (the memory kinds lower to nothing there), so it is left out of the device's share, as the
-CPU tests do; on a GPU XLA's figures are taken as they are.
+CPU tests do; on a GPU XLA's figures are taken as they are. With the optimizer on the host CPU
+(``optimizer.update_on: host_cpu``) its update is a program of the CPU backend, held to the
+host terms XLA plans for it (the state and the update's transit, ``HOST_UPDATE_TERMS``); the
+host's other terms (the copy between clients, the runtime) are no program's.
 """
 
 from __future__ import annotations
@@ -25,7 +28,13 @@ from peakflat_jax.memory import CompiledMemory, compiled_memory
 
 # Which of the plan's programs each compiled program is held to.
 PLAN_PROGRAM = {"train_step": "gradient", "gradient_step": "gradient",
-                "overlapped_step": "overlapped", "optimizer_step": "optimizer_step"}
+                "overlapped_step": "overlapped", "optimizer_step": "optimizer_step",
+                "host_cpu_update": "host"}
+HOST_UPDATE_TERMS = ("host.cpu_adamw_state", "host.cpu_adamw_transit", "host.cpu_adamw_scalars")
+"""The host terms of the host-CPU update's own program, per device: its arguments (state,
+gradients), temporaries and scalars, the outputs aliased (``optim.host_cpu_adamw``). The one
+program updates the shards of the process's W devices: XLA's plan of it is held to W times
+these (``ProgramCheck.devices``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,14 +44,21 @@ class ProgramCheck:
     name: str
     plan_program: str
     bound: int
-    """The closed form's device bytes of that program."""
+    """The closed form's bytes of that program (the device's, or for the host-CPU update the
+    host's ``HOST_UPDATE_TERMS``)."""
+    persistent: int
+    """The part of ``bound`` that persists across steps (the persistent terms; the host
+    update's state)."""
     xla: CompiledMemory
     host_state: int
     """Host-resident state that XLA:CPU counted as arguments and outputs (0 elsewhere)."""
+    devices: int = 1
+    """The devices whose share one compiled program holds (the host update: the process's)."""
 
     @property
     def xla_device_bytes(self) -> int:
-        return self.xla.total - self.host_state
+        """XLA's plan of the program per device."""
+        return (self.xla.total - self.host_state) // self.devices
 
     @property
     def holds(self) -> bool:
@@ -72,31 +88,33 @@ def check_plan_against_xla(plan) -> list[ProgramCheck]:
     if trainer.offloaded_optimizer:
         compiled["optimizer_step"] = trainer.optimizer.lower(state.params,
                                                              state.opt_state).compile()
+    if trainer.host_cpu_optimizer:
+        compiled["host_cpu_update"] = trainer.optimizer.lower(state.params,
+                                                              state.opt_state).compile()
     host_state = 0
     if local == "cpu" and trainer.offloaded_optimizer:
         host_state = sum(leaf.addressable_shards[0].data.nbytes
                          for leaf in jax.tree.leaves(state.opt_state)
                          if getattr(leaf.sharding, "memory_kind", None) == "pinned_host")
-    programs = plan.programs
+    terms = {term.name: term for term in plan.terms}
+    persistent = sum(term.bytes for term in plan.terms if term.live == "persistent")
+    programs = {**plan.programs, "host": sum(terms[name].bytes for name in HOST_UPDATE_TERMS
+                                             if name in terms)}
     checks = []
     for name, program in compiled.items():
         role = PLAN_PROGRAM[name]
         # The gradient program's arguments and outputs hold no optimizer state; the updates
         # donate it, so their outputs alias their arguments: it counts once.
-        held = 0 if name == "gradient_step" else host_state
-        checks.append(ProgramCheck(name, role, programs[role], compiled_memory(program),
-                                   held))
+        held = 0 if name in ("gradient_step", "host_cpu_update") else host_state
+        kept = (terms["host.cpu_adamw_state"].bytes if role == "host" else persistent)
+        checks.append(ProgramCheck(name, role, programs[role], kept, compiled_memory(program),
+                                   held, jax.local_device_count() if role == "host" else 1))
     return checks
 
 
 def format_checks(plan, checks: list[ProgramCheck]) -> str:
     """The table: each program's closed form beside XLA's plan, persistent and transient."""
     from peakflat_jax.plan.errors import GIB
-
-    by_live: dict[str, int] = {}
-    for term in plan.terms:
-        by_live[term.live] = by_live.get(term.live, 0) + term.bytes
-    persistent = by_live.get("persistent", 0)
 
     def gib(value: int) -> str:
         return f"{value / GIB:.3f}"
@@ -107,12 +125,17 @@ def format_checks(plan, checks: list[ProgramCheck]) -> str:
              "  temporaries  total | ratio"]
     for check in checks:
         xla = check.xla
-        kept = xla.argument + xla.output - xla.alias - check.host_state
+        kept = (xla.argument + xla.output - xla.alias - check.host_state) // check.devices
         ratio = check.xla_device_bytes / check.bound if check.bound else float("inf")
-        lines.append(f"{check.name:<16} {gib(persistent):>17} {gib(check.bound - persistent):>7} "
-                     f"{gib(check.bound):>8} | {gib(kept):>31} {gib(xla.temp):>12} "
+        lines.append(f"{check.name:<16} {gib(check.persistent):>17} "
+                     f"{gib(check.bound - check.persistent):>7} "
+                     f"{gib(check.bound):>8} | {gib(kept):>31} "
+                     f"{gib(xla.temp // check.devices):>12} "
                      f"{gib(check.xla_device_bytes):>6} | {ratio:.3f} "
                      f"{'holds' if check.holds else 'ABOVE THE BOUND'}")
+    if any(c.plan_program == "host" for c in checks):
+        lines.append("(host_cpu_update: the host-CPU update on the CPU backend, one program for "
+                     "the process's devices, per device, against the host's terms of it)")
     if any(c.host_state for c in checks):
         lines.append("(XLA:CPU counts the host-resident optimizer state as arguments and "
                      "outputs: left out above)")
