@@ -329,6 +329,34 @@ def test_host_terms_are_the_host_updates_plan(compiled_programs):
     assert not any(t.name.startswith("optimizer_step.") for t in terms.values())
 
 
+@pytest.mark.slow
+def test_plan_check_holds_the_host_cpu_update_to_its_host_terms(compiled_programs):
+    """``plan --check`` (plan.check) with AdamW on the host CPU: its update (a program of the
+    CPU backend) is compiled too and held to the host's terms of it; at a tenth of them it is
+    caught. Here, beside ``compiled_programs``, so that the trainer compiles the programs once
+    (tests/test_plan_check.py holds the device programs)."""
+    from peakflat_jax.plan.check import check_plan_against_xla, format_checks
+
+    compiled_programs("host_cpu")
+    config = small(*VARIANTS["host_cpu"])
+    plan = pl.make_plan(config, 8, platform="cpu", baseline=False, search_context=False)
+    checks = {c.name: c for c in check_plan_against_xla(plan)}
+    assert set(checks) == {"gradient_step", "host_cpu_update"}
+    update = checks["host_cpu_update"]
+    terms = {t.name: t.bytes for t in plan.terms}
+    assert update.bound == (terms["host.cpu_adamw_state"] + terms["host.cpu_adamw_transit"]
+                            + terms["host.cpu_adamw_scalars"])
+    # One program for the 8 devices' shards: XLA's plan of it, per device, under their terms.
+    assert update.devices == 8 and update.xla.argument >= 8 * terms["host.cpu_adamw_state"]
+    assert update.holds and update.xla_device_bytes > 0.99 * update.bound
+    assert "host_cpu_update" in format_checks(plan, list(checks.values()))
+    shrunk = dataclasses.replace(plan, terms=tuple(
+        dataclasses.replace(t, bytes=t.bytes // 10) if t.name.startswith("host.cpu_adamw")
+        else t for t in plan.terms))
+    caught = {c.name: c for c in check_plan_against_xla(shrunk)}
+    assert not caught["host_cpu_update"].holds and caught["gradient_step"].holds
+
+
 # ----------------------------------------------------------------------------------------------
 # Knobs: nulls filled, --auto, the largest context.
 
