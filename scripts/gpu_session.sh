@@ -12,12 +12,13 @@
 #
 # What each stage answers (the last drivers' records: h200_session_gpu_20261201-220535.json,
 # h200_session_gpu_20261202-064500.json):
-#   dump_off416k, dump_off532k, dump_off621k  issue 25: XLA:GPU's dumps of h200-1's standard
-#               stack at 416,768 (where XLA's plan is furthest above the live set without the
-#               FFN's buffers under the attention: 11.25 GiB) and at 1.2x and 1.4x the plan's
-#               largest, which fit (122.2 and 130.2 GiB): what XLA keeps under memory pressure
-#               and its packing (443K's dump is in the records; docs/plan.md, fourth driver)
-#   check_off_665580  issue 25: does the standard stack fit at 1.5x (compiled only)
+#   base_517600  issue 25: h200-1's standard stack at the plan's largest, counted as XLA:GPU
+#               schedules a step past the device's memory (plan.programs.step_terms): 3 steps,
+#               through the trainer's own fit check (nothing lifted)
+#   dump_off416k, dump_off532k  issue 25: XLA:GPU's dumps of the standard stack at 416,768
+#               (XLA's plan furthest above 443,720's: how much of the FFN it kept) and at 1.2x
+#               the old largest, past the memory (read with scripts/xla_live_set.py)
+#   check_off_665580  issue 25: does the standard stack fit at 1.29x the plan's largest
 #   e2e_hostcpu_b2  issue 27: the host-CPU standard stack's batch at 32K (plan: 2; ours trains 8)
 #   e2e_auto_427790  issues 25 and 27: ours at h200-e2e's planned largest (6.5x the host-CPU
 #               stack's 65,536)
@@ -54,14 +55,13 @@ dump() {  # dump NAME MODULE_RE OVERRIDES...: plan --check with XLA's GPU dumps 
     head -c 20000000 "$f" > "/tmp/pick-$name/$(basename "$f")"; done
   tar -czf "$LOGS/dump-$name.tgz" -C /tmp "pick-$name"
 }
+export PEAKFLAT_JAX_CACHE=/tmp/cache
+run base_517600 300 "${train[@]}" h200-1 data.seq_len=517600 train.steps=3 "${ALL_OFF[@]}" \
+  "${nc[@]}" --run-dir /tmp/r-base518k; keep /tmp/r-base518k base_517600
 dump off416k train_step "${ALL_OFF[@]}" data.seq_len=416768
 dump off532k train_step "${ALL_OFF[@]}" data.seq_len=532464 train.device_memory_gib=1000000
-dump off621k train_step "${ALL_OFF[@]}" data.seq_len=621208 train.device_memory_gib=1000000
-for n in 665580; do
-  run "check_off_$n" 130 python3 -m peakflat_jax.cli plan h200-1 "${ALL_OFF[@]}" data.seq_len=$n \
-    train.device_memory_gib=1000000 --check
-done
-export PEAKFLAT_JAX_CACHE=/tmp/cache
+run check_off_665580 130 python3 -m peakflat_jax.cli plan h200-1 "${ALL_OFF[@]}" \
+  data.seq_len=665580 train.device_memory_gib=1000000 --check
 HOST_CPU=("${ALL_OFF[@]}" optimizer.update_on=host_cpu train.device_memory_gib=1000000
           train.host_memory_gib=1000000)
 run e2e_hostcpu_b2 330 "${train[@]}" h200-e2e data.seq_len=32768 data.batch_size=2 \

@@ -37,11 +37,11 @@ def test_where_the_standard_stack_fits_nothing_is_on():
     assert "nothing binds" in describe(plan.choices)
 
 
-@pytest.mark.parametrize("factor", [1.1, 1.3])
+@pytest.mark.parametrize("factor", [1.1, 1.2])
 def test_where_it_does_not_the_chosen_set_fits_and_none_fits_faster(factor):
-    """Past the standard stack's longest context (1.1x and 1.3x it): the chosen set fits, and
-    of every setting of the four switches that fits none has a shorter estimated step (nor, at
-    the same time, fewer operators on)."""
+    """Past the standard stack's longest context (1.1x and 1.2x it; ours' is 1.23x it): the
+    chosen set fits, and of every setting of the four switches that fits none has a shorter
+    estimated step (nor, at the same time, fewer operators on)."""
     standard = make_plan(load_config("h200-1", forced({n: v[0] for n, v in CHOICES.items()})),
                          1, baseline=False, **H200).largest_context
     context = int(standard * factor) // 4096 * 4096

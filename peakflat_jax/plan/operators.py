@@ -22,9 +22,8 @@ from __future__ import annotations
 import itertools
 
 from peakflat_jax.config import Config
-from peakflat_jax.plan.programs import Choice, Plan
+from peakflat_jax.plan.programs import Choice, Plan, step_terms
 from peakflat_jax.plan.rates import Rates, step_seconds
-from peakflat_jax.plan.terms import plan_terms
 
 CHOICES = {"moe_dispatch": ("ep", "pipelined"), "loss": ("materialized", "ring"),
            "offload": ("none", "all"), "optimizer_offload": (False, True)}
@@ -76,10 +75,9 @@ def choose_operators(config: Config, num_devices: int, *, context: int | None,
         # Scored with its layer loop as it will be resolved (a loop left auto: the one that
         # fits, choose_layer_loop); returned with the loop still auto, for make_plan to name.
         scored, _ = choose_layer_loop(candidate, knobs, platform, device_memory)
-        plan = Plan(scored, knobs, platform, tuple(plan_terms(scored, knobs,
-                                                              platform=platform)),
-                    device_memory, host_memory, step_seconds=step_seconds(scored, knobs,
-                                                                          rates))
+        terms = step_terms(scored, knobs, platform=platform, device_memory=device_memory)
+        plan = Plan(scored, knobs, platform, terms, device_memory, host_memory,
+                    step_seconds=step_seconds(scored, knobs, rates))
         switched_on = sum(value != CHOICES[name][0] for name, value in chosen.items())
         candidates.append((plan, chosen, switched_on, candidate))
     fitting = [c for c in candidates if c[0].feasible is not False]

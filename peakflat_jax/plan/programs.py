@@ -41,6 +41,29 @@ def program_bytes(terms: Sequence[Term]) -> dict[str, int]:
     return programs
 
 
+def step_terms(config: Config, knobs: Knobs, *, platform: str, device_memory: int | None,
+               operators_on: bool = True) -> tuple[Term, ...]:
+    """``plan_terms`` as XLA:GPU schedules the step on a device of ``device_memory`` bytes:
+    where a program so counted is past that memory, counted ``pressed``. XLA:GPU's scheduler
+    orders for memory against a limit below the device's (``GetSchedulerMemoryLimit`` in
+    ``xla/service/gpu/gpu_hlo_schedule.cc``: the device's memory less the program's arguments
+    and outputs, times a slop factor) and past it computes the dense FFN's weight gradients
+    before the attention's backward, where with memory to spare it computes them after: h200-1
+    all off held four ``[N, F_d]`` under the attention's backward at 256K and none at 443,720,
+    where the peak is the MoE layer's (docs/plan.md, the fourth driver). Pressed, the closed
+    form bounded XLA:GPU's plan at every context measured past 256K (1.03-1.15x). Only where
+    that was measured: the standard stack's step (all four operators off; with them on, the
+    layers' programs differ and none has been seen past the memory)."""
+    terms = plan_terms(config, knobs, platform=platform, operators_on=operators_on)
+    standard = not operators_on or (knobs.moe_dispatch == "ep" and knobs.loss == "materialized"
+                                    and not any(knobs.offload) and not knobs.optimizer_offload)
+    if (platform != "gpu" or device_memory is None or not standard
+            or max(program_bytes(terms).values()) <= device_memory):
+        return tuple(terms)
+    return tuple(plan_terms(config, knobs, platform=platform, operators_on=operators_on,
+                            pressed=True))
+
+
 def pool_limit_gib() -> str:
     """The pinned-host pool's limit as the environment or XLA sets it (for a reason's text)."""
     from peakflat_jax.plan.host_pool import XLA_DEFAULT_LIMIT_GIB, set_limit_gib
@@ -145,7 +168,7 @@ def fits_in_memory(config: Config, knobs: Knobs, platform: str, device_memory: i
     """Whether the step fits; a layer loop left ``auto`` fits if either loop does, as
     ``plan.operators.choose_layer_loop`` then takes the one that fits."""
     def fits(config) -> bool:
-        terms = plan_terms(config, knobs, platform=platform)
+        terms = step_terms(config, knobs, platform=platform, device_memory=device_memory)
         device = max(program_bytes(terms).values())
         host = sum(t.bytes for t in terms if t.live == "host")
         return ((device_memory is None or device <= device_memory)

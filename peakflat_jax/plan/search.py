@@ -11,9 +11,9 @@ from peakflat_jax.model.attention import sequence_multiple
 from peakflat_jax.plan.errors import PlanError
 from peakflat_jax.plan.knobs import block_choices, choose_knobs, chunk_choices, knobs_from_config
 from peakflat_jax.plan.operators import choose_layer_loop, choose_operators, with_operators_on
-from peakflat_jax.plan.programs import Choice, Plan, fits_in_memory
+from peakflat_jax.plan.programs import Choice, Plan, fits_in_memory, step_terms
 from peakflat_jax.plan.rates import Rates, step_seconds
-from peakflat_jax.plan.terms import Knobs, baseline_knobs, plan_terms
+from peakflat_jax.plan.terms import Knobs, baseline_knobs
 
 # ----------------------------------------------------------------------------------------------
 # Plans.
@@ -56,7 +56,7 @@ def make_plan(config: Config, num_devices: int, *, context: int | None = None,
     choices += knob_choices
     config, loop_choices = choose_layer_loop(config, knobs, platform, device_memory)
     choices += loop_choices
-    terms = tuple(plan_terms(config, knobs, platform=platform))
+    terms = step_terms(config, knobs, platform=platform, device_memory=device_memory)
     largest = base = None
     if search_context and device_memory is not None:
         if capable is config or auto:
@@ -69,7 +69,8 @@ def make_plan(config: Config, num_devices: int, *, context: int | None = None,
     if baseline:
         base_config = config.replace(operators=to_dict(config.operators.all_off))
         base_knobs = baseline_knobs(knobs)
-        base_terms = tuple(plan_terms(base_config, base_knobs, platform=platform))
+        base_terms = step_terms(base_config, base_knobs, platform=platform,
+                                device_memory=device_memory)
         base_largest = None
         if search_context and device_memory is not None:
             base_largest = largest_context(base_config, num_devices,

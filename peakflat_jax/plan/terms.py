@@ -63,7 +63,11 @@ MEMORY_FORMULAS: dict[str, str] = {
     "ffn_gpu": "5 * N * F_d * b on a GPU: the recomputed gate and up, their product and two "
                "cotangents, in the model's dtype (XLA:GPU's buffer assignment at 64K and 256K)",
     "ffn.under_attention": "4 * N * F_d * b on a GPU: four of them live through the attention's "
-                           "backward (XLA:GPU runs the FFN's weight gradients after it)",
+                           "backward (XLA:GPU runs the FFN's weight gradients after it, where "
+                           "the step fits the device so counted)",
+    "ffn.under_attention_pressed": "0: the step so counted is past the device's memory, where "
+                                   "XLA:GPU runs the dense FFN's weight gradients before the "
+                                   "attention's backward (plan.programs.step_terms)",
     "moe.dispatch_gpu": "4 * M * H * b on one GPU in one chunk (EP): the rows of width H that "
                         "XLA:GPU holds at once in the layer's backward (its buffer assignments "
                         "of h200-1's EP step at 64K and 256K: at most four [M, H])",
@@ -271,10 +275,12 @@ class Term:
 
 
 def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
-               operators_on: bool = True) -> list[Term]:
+               operators_on: bool = True, pressed: bool = False) -> list[Term]:
     """Every term of the step's per-device bound (device and host) for ``knobs``, with the
     operators as the knobs set them (``operators_on``) or all four off (the baseline: EP in one
-    chunk, the materialized loss, no offload, the optimizer on the device)."""
+    chunk, the materialized loss, no offload, the optimizer on the device). ``pressed``: as
+    XLA:GPU schedules a program past the device's memory (``plan.programs.step_terms`` says
+    when): the dense FFN's buffers are not held under the attention's backward."""
     model = config.model
     width = knobs.num_devices
     weights = model_weights(model, width)
@@ -334,8 +340,11 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
 
     # One layer's recompute and backward: the larger of the dense and the MoE layer.
     for name, value, live, formula in _layer_terms(config, knobs, platform, weights,
-                                                   layer_sets):
+                                                   layer_sets, pressed):
         add(name, value, live, formula)
+    if pressed:
+        add("ffn.under_attention", 0, "layer/attention",
+            MEMORY_FORMULAS["ffn.under_attention_pressed"])
 
     # The loss.
     add("final_hidden", 3 * n * h * 4, "loss")
@@ -463,7 +472,7 @@ def _pool_growth(config: Config, pinned: list[int]) -> int:
 
 
 def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightBytes,
-                 layer_sets: dict) -> list[tuple[str, int, str, str]]:
+                 layer_sets: dict, pressed: bool = False) -> list[tuple[str, int, str, str]]:
     """(name, bytes, live, formula) of the largest layer's recompute and backward. Within the
     layer, the attention's backward and the FFN's (or MoE's) are sub-phases of their own beside
     what the whole layer holds (its saved activations and weights); what one sub-phase keeps
@@ -510,8 +519,9 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
             # backward, whose inputs XLA:GPU computes first and the FFN's weight gradients last.
             ffn = n * model.dense_ffn * itemsize
             terms.append(("ffn", 5 * ffn, "layer/ffn", MEMORY_FORMULAS["ffn_gpu"]))
-            terms.append(("ffn.under_attention", 4 * ffn, "layer/attention",
-                          MEMORY_FORMULAS["ffn.under_attention"]))
+            if not pressed:
+                terms.append(("ffn.under_attention", 4 * ffn, "layer/attention",
+                              MEMORY_FORMULAS["ffn.under_attention"]))
         elif kind == "dense":
             terms.append(("ffn", 6 * n * model.dense_ffn * 4, "layer/ffn",
                           MEMORY_FORMULAS["ffn"]))
