@@ -10,9 +10,9 @@ unused at that peak.
 
 Reads ``*<module>*after_optimizations-live-range.txt`` (the schedule and each value's live range)
 and ``*-buffer-assignment.txt`` (each value's allocation, offset and size). Only the default
-memory space is counted (pinned-host allocations are other memory). Values the buffer assignment
-does not name (bookkeeping of a few bytes) are left out and counted in the report's first line.
-docs/plan.md reads these for its GPU terms.
+memory space is counted (color 0; pinned-host allocations, color 5, are the host's). Values the
+buffer assignment does not name (bookkeeping of a few bytes) are left out and counted in the
+report's first line. docs/plan.md reads these for its GPU terms.
 """
 
 from __future__ import annotations
@@ -24,24 +24,35 @@ import sys
 
 GIB = 2**30
 ALLOCATION = re.compile(r"^allocation (\d+): size (\d+), (.*)$")
+COLOR = re.compile(r"\bcolor (\d+)\b")
 VALUE = re.compile(r"^ value: <\d+ (\S+)(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\): (\S+)")
 RANGE = re.compile(r"^    (\S+):(\d+)-(\d+)$")
 
 
 def read_buffers(path: pathlib.Path):
-    """{value name: (allocation, offset, size, shape)} of the default memory space, and
-    {allocation: (size, description)}."""
-    values, allocations, current, skip = {}, {}, None, False
+    """{value name: (allocation, offset, size, shape)} of the default memory space,
+    {allocation: (size, description)}, and the names of the values in other memory."""
+    values, allocations, elsewhere, current, skip = {}, {}, set(), None, False
     for line in path.read_text().splitlines():
         if match := ALLOCATION.match(line):
             current = int(match.group(1))
             description = match.group(3)
-            skip = "color 1" in description or "color=1" in description
+            skip = _color(description) != 0
             allocations[current] = (int(match.group(2)), description)
-        elif (match := VALUE.match(line)) and current is not None and not skip:
+        elif (match := VALUE.match(line)) and current is not None:
             name, size, offset, shape = match.groups()
-            values[name] = (current, int(offset), int(size), shape)
-    return values, allocations
+            if skip:
+                elsewhere.add(name)
+            else:
+                values[name] = (current, int(offset), int(size), shape)
+    return values, allocations, elsewhere
+
+
+def _color(description: str) -> int:
+    """An allocation's memory space: 0, the device's, unless its line names another (XLA:GPU
+    writes pinned host memory as ``color 5``)."""
+    match = COLOR.search(description)
+    return int(match.group(1)) if match else 0
 
 
 def read_live_ranges(path: pathlib.Path):
@@ -113,15 +124,17 @@ def main(argv=None) -> int:
         print(f"xla_live_set: expected one live-range and one buffer-assignment dump matching "
               f"{args.module!r} in {args.dump_dir}, found {found}", file=sys.stderr)
         return 2
-    values, allocations = read_buffers(found["buffer-assignment"][0])
+    values, allocations, elsewhere = read_buffers(found["buffer-assignment"][0])
     schedule, ranges = read_live_ranges(found["live-range"][0])
     used = usage(values, ranges, len(schedule))
-    unnamed = sum(1 for name, _, _ in ranges if _lookup(values, name) is None)
+    host = sum(1 for name, _, _ in ranges
+               if name in elsewhere or (name.endswith("{}") and name[:-2] in elsewhere))
+    unnamed = sum(1 for name, _, _ in ranges if _lookup(values, name) is None) - host
     peak = max(range(len(used)), key=used.__getitem__)
     temp = [a for a, (_, description) in allocations.items() if "preallocated-temp" in description]
-    total = sum(size for size, description in allocations.values()
-                if "color 1" not in description and "color=1" not in description)
-    print(f"{len(ranges)} values ({unnamed} not in the buffer assignment); allocations "
+    total = sum(size for size, description in allocations.values() if _color(description) == 0)
+    print(f"{len(ranges)} values ({host} in host memory, {unnamed} not in the buffer "
+          f"assignment); device allocations "
           f"{total / GIB:.2f} GiB; peak in use {used[peak] / GIB:.2f} GiB after step {peak} "
           f"({schedule[peak]})")
     if temp:

@@ -75,7 +75,7 @@ def choose_operators(config: Config, num_devices: int, *, context: int | None,
         # Scored with its layer loop as it will be resolved (a loop left auto: the one that
         # fits, choose_layer_loop); returned with the loop still auto, for make_plan to name.
         scored, _ = choose_layer_loop(candidate, knobs, platform, device_memory)
-        terms = step_terms(scored, knobs, platform=platform, device_memory=device_memory)
+        terms = step_terms(scored, knobs, platform=platform)
         plan = Plan(scored, knobs, platform, terms, device_memory, host_memory,
                     step_seconds=step_seconds(scored, knobs, rates))
         switched_on = sum(value != CHOICES[name][0] for name, value in chosen.items())

@@ -41,27 +41,56 @@ def program_bytes(terms: Sequence[Term]) -> dict[str, int]:
     return programs
 
 
-def step_terms(config: Config, knobs: Knobs, *, platform: str, device_memory: int | None,
+def step_terms(config: Config, knobs: Knobs, *, platform: str,
                operators_on: bool = True) -> tuple[Term, ...]:
-    """``plan_terms`` as XLA:GPU schedules the step on a device of ``device_memory`` bytes:
-    where a program so counted is past that memory, counted ``pressed``. XLA:GPU's scheduler
-    orders for memory against a limit below the device's (``GetSchedulerMemoryLimit`` in
-    ``xla/service/gpu/gpu_hlo_schedule.cc``: the device's memory less the program's arguments
-    and outputs, times a slop factor) and past it computes the dense FFN's weight gradients
-    before the attention's backward, where with memory to spare it computes them after: h200-1
-    all off held four ``[N, F_d]`` under the attention's backward at 256K and none at 443,720,
-    where the peak is the MoE layer's (docs/plan.md, the fourth driver). Pressed, the closed
-    form bounded XLA:GPU's plan at every context measured past 256K (1.03-1.15x). Only where
-    that was measured: the standard stack's step (all four operators off; with them on, the
-    layers' programs differ and none has been seen past the memory)."""
+    """``plan_terms`` as XLA:GPU schedules the step: where it is the standard stack's step as
+    measured (``_pressure_measured``) and, so counted, is past the device's memory (the
+    allocator's limit the config names, ``device.memory_gib``: what XLA's compiler sees, not a
+    budget a run is held to), counted ``pressed``. XLA:GPU's scheduler orders for memory
+    against a limit below the device's (``GetSchedulerMemoryLimit`` in
+    ``xla/service/gpu/gpu_hlo_schedule.cc``: the module's device memory, else 80% of the
+    device's, less the program's arguments and outputs, times a slop factor) and past it
+    computes the dense FFN's weight gradients before the attention's backward, where with memory
+    to spare it computes them after: h200-1 all off held four ``[N, F_d]`` under the
+    attention's backward at 256K and none at 443,720, where the peak is the MoE layer's
+    (docs/plan.md, the fourth driver). Pressed, the closed form bounded XLA:GPU's plan at the
+    contexts measured past the device's memory (488K-621K: 1.11-1.15x); below it the rule does
+    not apply (at 64K with 64 segments the pressed count was 0.98x of the peak)."""
     terms = plan_terms(config, knobs, platform=platform, operators_on=operators_on)
-    standard = not operators_on or (knobs.moe_dispatch == "ep" and knobs.loss == "materialized"
-                                    and not any(knobs.offload) and not knobs.optimizer_offload)
-    if (platform != "gpu" or device_memory is None or not standard
-            or max(program_bytes(terms).values()) <= device_memory):
+    memory = config.device.memory_gib
+    if platform != "gpu" or not memory or not _pressure_measured(config, knobs, operators_on):
         return tuple(terms)
-    return tuple(plan_terms(config, knobs, platform=platform, operators_on=operators_on,
-                            pressed=True))
+    limit = int(memory * GIB)
+    unpressed = max(program_bytes(terms).values())
+    if unpressed <= limit:
+        return tuple(terms)
+    held = next((t.bytes for t in terms if t.name == "ffn.under_attention"), 0)
+    if not held:  # the peak layer is not the dense one: nothing of it to reorder
+        return tuple(terms)
+    pressed = plan_terms(config, knobs, platform=platform, operators_on=operators_on,
+                         pressed=True)
+    pressed.append(Term("ffn.under_attention", 0, "layer/attention",
+                        f"0 of 4 * N * F_d * b = {held / GIB:.2f} GiB: the step counted with it, "
+                        f"{unpressed / GIB:.2f} GiB, is past the device's {memory:g} GiB, where "
+                        f"XLA:GPU computes the dense FFN's weight gradients before the "
+                        f"attention's backward (plan.programs.step_terms; measured on h200-1, "
+                        f"one H200)"))
+    return tuple(pressed)
+
+
+def _pressure_measured(config: Config, knobs: Knobs, operators_on: bool) -> bool:
+    """Whether the step is of the kind ``step_terms``' rule was measured on: the standard
+    stack's (EP, the materialized loss, no boundary offloaded, AdamW on the device; a host
+    budget for the boundaries excluded whatever it takes, so that the rule does not switch on
+    with the context), with cuDNN attention on one device, dense and MoE layers."""
+    model = config.model
+    if operators_on:
+        ops = knobs
+        if (ops.moe_dispatch != "ep" or ops.loss != "materialized" or any(ops.offload)
+                or isinstance(config.operators.offload, float) or ops.optimizer_offload):
+            return False
+    return (config.optimizer.update_on == "device" and knobs.num_devices == 1
+            and knobs.attention == "cudnn" and 0 < model.num_dense_layers < model.num_layers)
 
 
 def pool_limit_gib() -> str:
@@ -168,7 +197,7 @@ def fits_in_memory(config: Config, knobs: Knobs, platform: str, device_memory: i
     """Whether the step fits; a layer loop left ``auto`` fits if either loop does, as
     ``plan.operators.choose_layer_loop`` then takes the one that fits."""
     def fits(config) -> bool:
-        terms = step_terms(config, knobs, platform=platform, device_memory=device_memory)
+        terms = step_terms(config, knobs, platform=platform)
         device = max(program_bytes(terms).values())
         host = sum(t.bytes for t in terms if t.live == "host")
         return ((device_memory is None or device <= device_memory)

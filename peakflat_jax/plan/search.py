@@ -56,7 +56,7 @@ def make_plan(config: Config, num_devices: int, *, context: int | None = None,
     choices += knob_choices
     config, loop_choices = choose_layer_loop(config, knobs, platform, device_memory)
     choices += loop_choices
-    terms = step_terms(config, knobs, platform=platform, device_memory=device_memory)
+    terms = step_terms(config, knobs, platform=platform)
     largest = base = None
     if search_context and device_memory is not None:
         if capable is config or auto:
@@ -69,8 +69,7 @@ def make_plan(config: Config, num_devices: int, *, context: int | None = None,
     if baseline:
         base_config = config.replace(operators=to_dict(config.operators.all_off))
         base_knobs = baseline_knobs(knobs)
-        base_terms = step_terms(base_config, base_knobs, platform=platform,
-                                device_memory=device_memory)
+        base_terms = step_terms(base_config, base_knobs, platform=platform)
         base_largest = None
         if search_context and device_memory is not None:
             base_largest = largest_context(base_config, num_devices,

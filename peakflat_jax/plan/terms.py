@@ -63,11 +63,9 @@ MEMORY_FORMULAS: dict[str, str] = {
     "ffn_gpu": "5 * N * F_d * b on a GPU: the recomputed gate and up, their product and two "
                "cotangents, in the model's dtype (XLA:GPU's buffer assignment at 64K and 256K)",
     "ffn.under_attention": "4 * N * F_d * b on a GPU: four of them live through the attention's "
-                           "backward (XLA:GPU runs the FFN's weight gradients after it, where "
-                           "the step fits the device so counted)",
-    "ffn.under_attention_pressed": "0: the step so counted is past the device's memory, where "
-                                   "XLA:GPU runs the dense FFN's weight gradients before the "
-                                   "attention's backward (plan.programs.step_terms)",
+                           "backward (XLA:GPU runs the FFN's weight gradients after it, unless "
+                           "the standard stack's step so counted is past the device's memory: "
+                           "plan.programs.step_terms)",
     "moe.dispatch_gpu": "4 * M * H * b on one GPU in one chunk (EP): the rows of width H that "
                         "XLA:GPU holds at once in the layer's backward (its buffer assignments "
                         "of h200-1's EP step at 64K and 256K: at most four [M, H])",
@@ -280,7 +278,8 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
     operators as the knobs set them (``operators_on``) or all four off (the baseline: EP in one
     chunk, the materialized loss, no offload, the optimizer on the device). ``pressed``: as
     XLA:GPU schedules a program past the device's memory (``plan.programs.step_terms`` says
-    when): the dense FFN's buffers are not held under the attention's backward."""
+    when and adds the term it leaves out): the dense FFN's buffers are not held under the
+    attention's backward."""
     model = config.model
     width = knobs.num_devices
     weights = model_weights(model, width)
@@ -342,9 +341,6 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
     for name, value, live, formula in _layer_terms(config, knobs, platform, weights,
                                                    layer_sets, pressed):
         add(name, value, live, formula)
-    if pressed:
-        add("ffn.under_attention", 0, "layer/attention",
-            MEMORY_FORMULAS["ffn.under_attention_pressed"])
 
     # The loss.
     add("final_hidden", 3 * n * h * 4, "loss")
@@ -516,7 +512,8 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
         if kind == "dense" and platform == "gpu":
             # XLA:GPU's buffer assignment (h200-1 at 64K and 256K, docs/plan.md): at most five
             # bf16 [N, F_d] buffers, and four of them still live under the attention's
-            # backward, whose inputs XLA:GPU computes first and the FFN's weight gradients last.
+            # backward, whose inputs XLA:GPU computes first and the FFN's weight gradients last;
+            # pressed (plan.programs.step_terms), the weight gradients first: none.
             ffn = n * model.dense_ffn * itemsize
             terms.append(("ffn", 5 * ffn, "layer/ffn", MEMORY_FORMULAS["ffn_gpu"]))
             if not pressed:
