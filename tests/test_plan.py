@@ -582,6 +582,17 @@ def test_bad_input_is_named(argv, message):
     assert status == 2 and message in err, err
 
 
+def test_an_odd_length_for_cudnn_is_named_as_given():
+    """The cuDNN length rule names the argument the length came from: --context, or the
+    config's data.seq_len."""
+    status, _, err = run_plan("h200-1", "--context", "634549")
+    assert status == 2 and err.startswith("peakflat plan: context: cuDNN flash attention "
+                                          "trains only sequence lengths that are multiples of "
+                                          "2, got 634549 (take 634548"), err
+    status, _, err = run_plan("h200-1", "data.seq_len=634549")
+    assert status == 2 and "data.seq_len: cuDNN flash attention" in err, err
+
+
 def test_unknown_gpu_memory_on_a_machine_without_a_gpu_is_an_error():
     status, _, err = run_plan("tiny", "--devices", "8", "--platform", "gpu")
     assert status == 2 and "--device-memory" in err and "device.memory_gib" in err, err

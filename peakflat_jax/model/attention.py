@@ -83,7 +83,8 @@ def check_sequence_length(implementation: str, seq_len: int) -> None:
     multiple = sequence_multiple(implementation)
     if seq_len % multiple:
         raise ValueError(f"cuDNN flash attention trains only sequence lengths that are "
-                         f"multiples of {multiple}, got {seq_len} (take {seq_len - 1}, or "
+                         f"multiples of {multiple}, got {seq_len} (take "
+                         f"{seq_len - seq_len % multiple}, or "
                          f"operators.attention: xla)")
 
 

@@ -45,8 +45,9 @@ def knobs_from_config(config: Config, num_devices: int, *, context: int | None =
         raise ConfigError(f"operators.attention: {error}") from None
     try:
         check_sequence_length(attention, context)
-    except ValueError as error:
-        raise PlanError(f"data.seq_len: {error}") from None
+    except ValueError as error:  # named as it was given: the config's, or --context
+        given = "data.seq_len" if config.data.seq_len == context else "context"
+        raise PlanError(f"{given}: {error}") from None
     knobs = Knobs(data=data, seq=seq, batch_size=batch_size, context=context,
                   moe_dispatch=ops.moe_dispatch, token_budget=ops.token_budget,
                   max_chunks=ops.max_chunks, loss=ops.loss, loss_mode=ops.loss_mode,
