@@ -544,3 +544,50 @@ def test_overlapped_optimizer_changes_no_bit(tmp_path):
     num_params = sum(leaf.addressable_shards[0].data.size for leaf in jax.tree.leaves(params))
     deferred_plan = memory.compiled_memory(deferred._overlapped_step)
     assert deferred_plan.temp - grads_plan.temp <= 12 * num_params + staging + 2 * moe_bytes
+
+
+def _barriers(jaxpr):
+    """Every optimization_barrier's operand avals, in a jaxpr and the jaxprs inside it."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "optimization_barrier":
+            found.append([v.aval for v in eqn.invars])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    found += _barriers(inner)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writeback", ["forward", "backward"])
+def test_updates_made_in_the_unrolled_forward_change_no_bit(tmp_path, writeback):
+    """With the unrolled stack each MoE layer's update runs inside the forward, behind the
+    layer before (``MadeInLoop``): three MoE layers, clipping and a schedule give the plain
+    path's losses, weights and optimizer state bit for bit, and the program ties layer l's
+    buckets (l >= 1) to layer l - 1's input: a barrier holds both."""
+    common = ["model.num_layers=4", "optimizer.max_grad_norm=0.5", "optimizer.warmup_steps=2",
+              "train.steps=3", "train.checkpoints=false"]
+    plain = Trainer(small_config(*common, "operators.optimizer_overlap=false"),
+                    run_dir=str(tmp_path / "plain"))
+    expected = plain.run(progress=False)["losses"]
+    made = Trainer(small_config(*common, "operators.layer_loop=unrolled",
+                                f"operators.optimizer_writeback={writeback}"),
+                   run_dir=str(tmp_path / "made"))
+    assert made.overlap and made.run(progress=False)["losses"] == expected
+    chex.assert_trees_all_equal(
+        jax.device_get((plain.final_state.params, plain.final_state.opt_state)),
+        jax.device_get((made.final_state.params, made.final_state.opt_state)))
+    state = made.final_state
+    batch = made.global_batch(next(made.batches))
+    jaxpr = jax.make_jaxpr(made._overlapped)(state.params, state.extras, state.opt_state,
+                                             state.params, batch, True).jaxpr
+    layout, config = state.opt_state.layout, made.config
+    hidden = (config.data.batch_size, config.data.seq_len, config.model.hidden)
+    for layer in range(1, config.model.num_layers - config.model.num_dense_layers):
+        group = layout.groups[layout.layer_group(layer)]
+        buckets = {(n * layout.placement.num_devices,) for n in group.bucket_sizes}  # global
+        assert any(any(tuple(a.shape) in buckets for a in avals)
+                   and any(tuple(a.shape) == hidden for a in avals)
+                   for avals in _barriers(jaxpr)), layer

@@ -173,6 +173,72 @@ class PerLayer:
         return cls(tuple(children))
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class MadeInLoop:
+    """Layer parameters made inside the unrolled forward, layer by layer, each once the input
+    of layer ``l - lead`` exists (the trainer's overlapped step: each MoE layer's weights
+    updated from host-resident optimizer state, its host copies under the layers before it).
+
+    Given as ``sco_scan``'s ``stacked_params`` (``loop="unrolled"`` only). Layer l's
+    parameters are ``make(l, sources[l], chain) -> (params_l, output_l, chain)``, run in the
+    forward with ``sources[l]`` behind an optimization barrier on layer ``l - lead``'s input
+    (none for the first ``lead`` layers), plus ``offsets.layers[l]`` (a PerLayer of zeros
+    shaped like the params: the gradients are taken with respect to them, and equal the
+    gradients with respect to the made params). ``sources`` and ``chain`` are pytrees of
+    arrays that take no gradient; ``chain`` is threaded from layer to layer (the optimizer's
+    slot chain). After the call, ``results`` holds ``(outputs, chain)``: the per-layer
+    ``output_l`` and the last chain, tracers of the same trace, to be returned by the caller.
+
+    Why: the layers' parameters made before the loop depend on nothing the forward computes,
+    and XLA:GPU then scheduled all of their work (every optimizer bucket's copy in, update and
+    copy out) before the first layer: none of the host traffic ran under compute (docs/
+    offload_adamw.md). The barrier is a data dependency no scheduler can reorder."""
+
+    make: Callable
+    sources: tuple
+    chain: object
+    offsets: PerLayer
+    lead: int = 99
+    results: list = dataclasses.field(default_factory=list)
+
+    def map_params(self, fn: Callable) -> MadeInLoop:
+        """The same, each layer's params and offsets given as ``fn(layer, params_l)`` (a
+        caller's wrapping of the layer pytree), sharing ``results``."""
+        def make(layer, sources, chain):
+            params, output, chain = self.make(layer, sources, chain)
+            return fn(layer, params), output, chain
+
+        offsets = PerLayer(tuple(fn(i, p) for i, p in enumerate(self.offsets.layers)))
+        return MadeInLoop(make, self.sources, self.chain, offsets, self.lead, self.results)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Maker:
+    """The static part of a MadeInLoop (a custom_vjp's non-differentiable argument)."""
+
+    make: Callable
+    lead: int
+
+    def layers(self, made_inputs):
+        """A function of (layer, the inputs of the layers so far, offsets_l) giving layer l's
+        params, and one giving (outputs, chain) once every layer is made."""
+        sources, chain = made_inputs
+        state = {"chain": chain, "outputs": []}
+
+        def params(layer, inputs, offset):
+            source = sources[layer]
+            if layer - self.lead >= 0:
+                after = [leaf for leaf in jax.tree.leaves(inputs[layer - self.lead])
+                         if _is_inexact(leaf)]
+                source, _ = lax.optimization_barrier((source, lax.stop_gradient(after)))
+            made, output, state["chain"] = self.make(layer, source, state["chain"])
+            state["outputs"].append(output)
+            return jax.tree.map(lambda m, o: m + o.astype(m.dtype) if _is_inexact(m) else m,
+                                made, offset)
+
+        return params, lambda: (tuple(state["outputs"]), state["chain"])
+
+
 def host_memory_bytes() -> int:
     """Physical memory of this host (the ceiling for pinned host buffers)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -248,6 +314,17 @@ def sco_scan(layer_fn: Callable, carry, stacked_params, *, offload, loop: str = 
     """
     if loop not in LOOPS:
         raise ValueError(f"loop: expected one of {LOOPS}, got {loop!r}")
+    made = stacked_params if isinstance(stacked_params, MadeInLoop) else None
+    if made is not None:
+        if loop != "unrolled":
+            raise ValueError(f"loop: expected \"unrolled\" for a MadeInLoop (a scanned loop "
+                             f"needs every layer's parameters first), got {loop!r}")
+        if as_int("MadeInLoop.lead", made.lead) < 1:
+            raise ValueError(f"MadeInLoop.lead: expected at least 1, got {made.lead}")
+        if len(made.sources) != len(made.offsets.layers):
+            raise ValueError(f"MadeInLoop.sources: expected one per layer "
+                             f"({len(made.offsets.layers)}), got {len(made.sources)}")
+        stacked_params = made.offsets
     per_layer = isinstance(stacked_params, PerLayer)
     if per_layer:
         num_layers = len(stacked_params.layers)
@@ -278,8 +355,13 @@ def sco_scan(layer_fn: Callable, carry, stacked_params, *, offload, loop: str = 
                    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(expected)))):
         raise ValueError(f"layer_fn: expected it to return a carry like its input (same "
                          f"structure, shapes and dtypes: {expected}), got {out}")
+    if made is not None:
+        carry, results = _sco_unrolled(layer_fn, chosen, _Maker(made.make, made.lead), carry,
+                                       stacked_params, (made.sources, made.chain))
+        made.results[:] = results
+        return carry
     if loop == "unrolled":
-        return _sco_unrolled(layer_fn, chosen, carry, stacked_params)
+        return _sco_unrolled(layer_fn, chosen, None, carry, stacked_params, None)
     if per_layer:
         stacked = jax.tree.map(lambda *layers: jnp.stack(layers), *stacked_params.layers)
         return _sco_scanned(layer_fn, _runs(chosen), carry, stacked)
@@ -314,17 +396,32 @@ def _move_boundary(carry, space):
 # The unrolled loop: every layer traced, transfers placed by hand.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _sco_unrolled(layer_fn, chosen, carry, stacked_params):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _sco_unrolled(layer_fn, chosen, maker, carry, stacked_params, made_inputs):
     # Without differentiation nothing reads the boundaries again: no copies, no barriers.
+    # ``maker``: None, or a MadeInLoop's _Maker (then ``stacked_params`` are its offsets and
+    # the result is (carry, (outputs, chain))).
+    if maker is not None:
+        params_of, results = maker.layers(made_inputs)
+    inputs = []
     for layer in range(len(chosen)):
-        carry = layer_fn(carry, _layer_params(stacked_params, layer))
-    return carry
+        inputs.append(carry)
+        params = (_layer_params(stacked_params, layer) if maker is None else
+                  params_of(layer, inputs, stacked_params.layers[layer]))
+        carry = layer_fn(carry, params)
+    return carry if maker is None else (carry, results())
 
 
-def _sco_unrolled_fwd(layer_fn, chosen, carry, stacked_params):
-    boundaries = []
+def _sco_unrolled_fwd(layer_fn, chosen, maker, carry, stacked_params, made_inputs):
+    if maker is not None:
+        params_of, results = maker.layers(made_inputs)
+        offsets, made = stacked_params, []
+    boundaries, inputs = [], []
     for layer, to_host in enumerate(chosen):
+        inputs.append(carry)
+        if maker is not None:  # layer l's params, made once layer l - lead's input exists
+            made.append(params_of(layer, inputs, offsets.layers[layer]))
+            stacked_params = PerLayer(tuple(made) + offsets.layers[layer + 1:])
         # Layer l slices its parameters once its input exists. Otherwise the slices, which
         # depend on nothing but the parameters, are free to run early, and XLA kept every
         # layer's slice alive from forward to backward (XLA:CPU: one layer's parameters of
@@ -341,11 +438,16 @@ def _sco_unrolled_fwd(layer_fn, chosen, carry, stacked_params):
             boundary = carry
         boundaries.append(boundary)
         carry = carry_next
+    if maker is not None:
+        return (carry, results()), (tuple(boundaries), stacked_params)
     return carry, (tuple(boundaries), stacked_params)
 
 
-def _sco_unrolled_bwd(layer_fn, chosen, residuals, d_carry):
+def _sco_unrolled_bwd(layer_fn, chosen, maker, residuals, d_out):
+    # With a maker the residuals hold the made params, and the offsets' cotangents are theirs;
+    # the made outputs and the sources take no gradient.
     boundaries, stacked_params = residuals
+    d_carry = d_out if maker is None else d_out[0]
     num_layers = len(chosen)
 
     def restore(layer, after):
@@ -403,8 +505,9 @@ def _sco_unrolled_bwd(layer_fn, chosen, residuals, d_carry):
         return treedef.unflatten(d_leaves)
 
     if per_layer:
-        return full_cotangent(d_inexact), PerLayer(tuple(cotangent_tree(d) for d in d_layers))
-    return full_cotangent(d_inexact), cotangent_tree(d_stacked)
+        return (full_cotangent(d_inexact), PerLayer(tuple(cotangent_tree(d) for d in d_layers)),
+                None)
+    return full_cotangent(d_inexact), cotangent_tree(d_stacked), None
 
 
 _sco_unrolled.defvjp(_sco_unrolled_fwd, _sco_unrolled_bwd)

@@ -54,7 +54,7 @@ from peakflat_jax.model.attention import (
 from peakflat_jax.model.decoder import IGNORE
 from peakflat_jax.model.layers import Runtime
 from peakflat_jax.model.sharding import abstract_model, init_model
-from peakflat_jax.ops.sco import PerLayer
+from peakflat_jax.ops.sco import MadeInLoop, PerLayer
 from peakflat_jax.plan import DoesNotFit, check_plan, offload_flags
 from peakflat_jax.plan.host_pool import LIMIT_VARIABLE
 from peakflat_jax.train import checkpoint as ckpt
@@ -403,11 +403,15 @@ class Trainer:
         update leaves everything as it was (a step with nothing pending).
 
         With the scanned layer stack the MoE layers' new weights are stacked for it (they wait
-        for all their groups); with the unrolled one they reach the model per layer
-        (``PerLayer``), so that layer l's forward waits for layer l's update only and the later
-        layers' host traffic runs under it. With ``operators.optimizer_writeback: backward``
-        the buckets are written back only once the loss exists, under the backward (no slot
-        chain: every updated bucket waits on the device)."""
+        for all their groups); with the unrolled one each MoE layer's update is made inside the
+        forward (``MadeInLoop``): layer l's buckets are streamed in once layer l - 1's input
+        exists, and layer l's forward waits for them only, so that the host traffic runs under
+        the layers' compute. (Updated before the forward, as the outer group still is, XLA:GPU
+        scheduled every bucket's copies and update ahead of the first layer: 366 of the 390
+        copies of h200-1's step, none under compute.) With
+        ``operators.optimizer_writeback: backward`` the buckets are written back only once the
+        loss exists, under the backward (no slot chain: every updated bucket waits on the
+        device)."""
         opt = self.optimizer
         layout = opt_state.layout
         scalars = opt.step_scalars(pending, opt_state, apply)
@@ -416,15 +420,17 @@ class Trainer:
         new_leaves = list(leaves)
         num_moe_layers = self.config.model.num_layers - self.config.model.num_dense_layers
         layer_leaves = [{} for _ in range(num_moe_layers)]
+        scanned = self.config.operators.layer_loop == "scan"
         # Written back as updated (the slot chain), or after the forward's loss.
         deferred = self.config.operators.optimizer_writeback == "backward"
-        groups, slot_chain = [], None if deferred else []
+        groups, slot_chain = [None] * len(layout.groups), None if deferred else []
         for index, group in enumerate(layout.groups):
-            updated, group_state = opt.update_group(layout.group_leaves(pending, index),
-                                                    opt_state.group(index), scalars,
-                                                    slot_chain=slot_chain,
-                                                    write_back=not deferred)
-            groups.append(group_state)
+            if group.layer is not None and not scanned:
+                continue  # made inside the unrolled forward (below)
+            updated, groups[index] = opt.update_group(layout.group_leaves(pending, index),
+                                                      opt_state.group(index), scalars,
+                                                      slot_chain=slot_chain,
+                                                      write_back=not deferred)
             for i, leaf in zip(group.leaves, updated):
                 if group.layer is None:
                     new_leaves[i] = leaf
@@ -436,7 +442,7 @@ class Trainer:
             written = [opt.write_back(g, after=value) for g in groups] if deferred else groups
             return opt.new_state(opt_state, written, scalars)
 
-        if self.config.operators.layer_loop == "scan":
+        if scanned:
             for i in moe:
                 new_leaves[i] = jnp.stack([layer[i] for layer in layer_leaves])
             new_params = jax.tree.unflatten(treedef, new_leaves)
@@ -446,22 +452,47 @@ class Trainer:
             return (new_params, self._balanced_extras(extras, counts), new_state(value), grads,
                     metrics)
         moe_def = jax.tree.structure(params["moe_layers"])
-        per_layer = [jax.tree.unflatten(moe_def, [layer[i] for i in moe]) for layer in
-                     layer_leaves]
         outer = [leaf for i, leaf in enumerate(new_leaves) if i not in moe]
         abstract = {i: jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in moe}
         extras_layers = [jax.tree.map(lambda a, at=layer: a[at], extras["moe_layers"])
                          for layer in range(num_moe_layers)]
+        layer_groups = [layout.layer_group(layer) for layer in range(num_moe_layers)]
+        slots = opt.slots
 
-        def loss(outer, per_layer):
+        def make(layer, source, chain):
+            """Layer ``layer``'s new weights: its group's buckets updated (inside the forward,
+            behind the layer before: ``MadeInLoop``), the slot chain carried on."""
+            grads, group_state, step_scalars = source
+            chain = None if deferred else list(chain)
+            updated, group_state = opt.update_group(grads, group_state, step_scalars,
+                                                    slot_chain=chain, write_back=not deferred)
+            by_leaf = dict(zip(layout.groups[group_state.index].leaves, updated))
+            weights = [by_leaf[i] for i in moe]
+            return ((jax.tree.unflatten(moe_def, weights), extras_layers[layer]),
+                    (weights, group_state), () if deferred else tuple(chain[-slots:]))
+
+        zeros = [jnp.zeros(abstract[i].shape[1:], abstract[i].dtype) for i in moe]
+
+        def loss(outer, offsets):
             outer = iter(outer)
             full = [abstract[i] if i in abstract else next(outer) for i in range(len(leaves))]
             model = nnx.merge(self.graphdef, jax.tree.unflatten(treedef, full), extras)
-            layers = PerLayer(tuple((p, e) for p, e in zip(per_layer, extras_layers)))
-            return model(batch, self.runtime, self.offload, moe_layers=layers)
+            made = MadeInLoop(
+                make, tuple((layout.group_leaves(pending, g), opt_state.group(g), scalars)
+                            for g in layer_groups),
+                () if deferred else tuple(slot_chain[-slots:]),
+                PerLayer(tuple((p, jax.tree.map(jnp.zeros_like, e))
+                               for p, e in zip(offsets, extras_layers))))
+            value, counts = model(batch, self.runtime, self.offload, moe_layers=made)
+            return value, (counts, made.results[0])
 
-        (value, counts), (d_outer, d_layers) = jax.value_and_grad(
-            loss, argnums=(0, 1), has_aux=True)(outer, per_layer)
+        offsets = [jax.tree.unflatten(moe_def, zeros) for _ in range(num_moe_layers)]
+        (value, (counts, made)), (d_outer, d_layers) = jax.value_and_grad(
+            loss, argnums=(0, 1), has_aux=True)(outer, offsets)
+        for layer, (weights, group_state) in enumerate(made):
+            groups[layer_groups[layer]] = group_state
+            for i, leaf in zip(moe, weights):
+                layer_leaves[layer][i] = leaf
         d_outer, d_layers = iter(d_outer), [jax.tree.leaves(d) for d in d_layers]
         grads, new_params = [], []
         for i in range(len(leaves)):
