@@ -198,7 +198,7 @@ class MadeInLoop:
     sources: tuple
     chain: object
     offsets: PerLayer
-    lead: int = 99
+    lead: int = 1
     results: list = dataclasses.field(default_factory=list)
 
     def map_params(self, fn: Callable) -> MadeInLoop:
