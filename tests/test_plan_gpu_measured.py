@@ -407,8 +407,8 @@ def test_the_plan_bounds_the_device_peaks_after_the_barrier(run, overrides, meas
 def test_the_standard_stack_s_largest_context_is_past_what_trained_and_within_what_fit():
     """Issue 25's last check, first half, as far as it was measured: the plan's largest
     context for h200-1 all off lies between the 443,720 that trained 3 steps and the 532,464
-    that XLA:GPU planned within the device (122.24 GiB, compiled only); it has not trained
-    itself (the next driver, scripts/gpu_session.sh)."""
+    that XLA:GPU planned within the device (122.24 GiB, compiled only); it trained itself in
+    the fifth driver (``test_the_standard_stack_trains_at_the_plan_s_largest_context``)."""
     config = load_config("h200-1", ALL_OFF)
     plan = make_plan(config, 1, platform="gpu", baseline=False, **DEVICE,
                      host_memory=int(config.device.host_memory_gib * 2**30))
@@ -527,3 +527,76 @@ def test_the_pressure_rule_does_not_switch_on_with_the_context():
                    baseline=False, search_context=False, **DEVICE)
     assert not at.feasible
     assert all(t.bytes for t in at.terms if t.name == "ffn.under_attention")
+
+
+SESSION5 = RESULTS / "h200_session_gpu_20261202-130810.json"
+SESSION5_RUNS = {
+    # the record's run -> (config, overrides, the plan's program)
+    "on64k_fwd": ("h200-1", ["operators.moe_dispatch=pipelined", "operators.loss=ring",
+                             "operators.offload=all", "operators.optimizer_offload=true",
+                             "operators.layer_loop=unrolled"]),
+    "on64k_bwd": pytest.param(
+        "h200-1", ["operators.moe_dispatch=pipelined", "operators.loss=ring",
+                   "operators.offload=all", "operators.optimizer_offload=true",
+                   "operators.layer_loop=unrolled", "operators.optimizer_writeback=backward"],
+        marks=pytest.mark.xfail(strict=True, reason="1.36x: the write-back under the backward "
+                                "holds less than its (4 + S) P bytes at XLA:GPU's peak")),
+    "base64k": ("h200-1", []),
+    "base_517600": ("h200-1", ALL_OFF + ["data.seq_len=517600"]),
+    "e2e_hostcpu_b2": ("h200-e2e", ALL_OFF + ["data.seq_len=32768", "data.batch_size=2",
+                                              "optimizer.update_on=host_cpu"]),
+}
+
+
+def _session5_run(run: str) -> dict:
+    return json.loads(SESSION5.read_text())["runs"][run]
+
+
+@pytest.mark.parametrize("run, config, overrides",
+                         [pytest.param(name, *case.values, marks=case.marks)
+                          if hasattr(case, "marks") else (name, *case)
+                          for name, case in SESSION5_RUNS.items()])
+def test_the_plan_bounds_the_peaks_of_the_fifth_session(run, config, overrides, monkeypatch):
+    """The fifth driver's trained runs (allocator peaks; the host-CPU stack's host too, VmHWM),
+    each planned against the device's memory (the host-CPU stack's lifted, as the bench lifts
+    it): at or under the plan and the plan within 1.2x."""
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+    plan = make_plan(load_config(config, overrides), 1, platform="gpu", baseline=False,
+                     search_context=False, **DEVICE)
+    measured = _session5_run(run)
+    assert len(measured["losses"]) in (3, 5)
+    assert all(math.isfinite(loss) for loss in measured["losses"])
+    assert measured["peak_device_bytes"] <= plan.total_bytes <= 1.2 * measured["peak_device_bytes"]
+    if run == "e2e_hostcpu_b2":
+        assert measured["host_peak_bytes"] <= plan.host_bytes <= 1.2 * measured["host_peak_bytes"]
+
+
+def test_the_standard_stack_trains_at_the_plan_s_largest_context():
+    """Issue 25's last check for the standard stack: h200-1 all off trained 3 steps at the
+    plan's largest, 517,600 tokens (counted as XLA:GPU schedules a step past the device's
+    memory), its loss falling; and at 1.29x of it (665,580) XLA:GPU's plan is past the
+    device (136.41 GiB of 132.8, compiled only), under the plan's 157.30 (1.15x)."""
+    assert make_plan(load_config("h200-1", ALL_OFF), 1, platform="gpu", baseline=False,
+                     **DEVICE, host_memory=128 * 2**30).largest_context == 517_600
+    run = _session5_run("base_517600")
+    assert len(run["losses"]) == 3 and run["losses"][-1] < run["losses"][0]
+    above = _session5_run("check_off_665580")
+    assert above["xla_plan_gib"] > load_config("h200-1").device.memory_gib
+    plan = make_plan(load_config("h200-1", ALL_OFF + ["data.seq_len=665580"]), 1,
+                     platform="gpu", baseline=False, search_context=False, **DEVICE)
+    assert above["xla_plan_gib"] * 2**30 <= plan.programs["gradient"]
+
+
+@pytest.mark.xfail(strict=True, reason="killed on the host: at h200-e2e's planned largest "
+                   "(427,790) the process held 123.0 GiB resident (under the plan's 124.0) "
+                   "while the machine's available memory fell to zero (MemTotal 125.85 GiB): "
+                   "what the kernel and driver take beside 114 GiB of pinned memory is no term")
+def test_ours_trains_at_the_e2e_plan_s_largest_context(monkeypatch):
+    """Issue 25's last check for h200-e2e with operators auto: the plan's largest context
+    trains (3 steps)."""
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+    config = load_config("h200-e2e")
+    plan = make_plan(config, 1, platform="gpu", baseline=False, **DEVICE,
+                     host_memory=int(config.device.host_memory_gib * 2**30))
+    assert plan.largest_context == 427_790
+    assert "losses" in _session5_run("e2e_auto_427790")
