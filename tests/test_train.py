@@ -566,7 +566,8 @@ def test_updates_made_in_the_unrolled_forward_change_no_bit(tmp_path, writeback)
     """With the unrolled stack each MoE layer's update runs inside the forward, behind the
     layer before (``MadeInLoop``): three MoE layers, clipping and a schedule give the plain
     path's losses, weights and optimizer state bit for bit, and the program ties layer l's
-    buckets (l >= 1) to layer l - 1's input: a barrier holds both."""
+    buckets (l >= 1) to layer l - 1's input and each bucket's update to its own layer's input:
+    a barrier holds a bucket and the hidden state, once for each tie."""
     common = ["model.num_layers=4", "optimizer.max_grad_norm=0.5", "optimizer.warmup_steps=2",
               "train.steps=3", "train.checkpoints=false"]
     plain = Trainer(small_config(*common, "operators.optimizer_overlap=false"),
@@ -585,9 +586,13 @@ def test_updates_made_in_the_unrolled_forward_change_no_bit(tmp_path, writeback)
                                              state.params, batch, True).jaxpr
     layout, config = state.opt_state.layout, made.config
     hidden = (config.data.batch_size, config.data.seq_len, config.model.hidden)
-    for layer in range(1, config.model.num_layers - config.model.num_dense_layers):
-        group = layout.groups[layout.layer_group(layer)]
-        buckets = {(n * layout.placement.num_devices,) for n in group.bucket_sizes}  # global
-        assert any(any(tuple(a.shape) in buckets for a in avals)
-                   and any(tuple(a.shape) == hidden for a in avals)
-                   for avals in _barriers(jaxpr)), layer
+    num_moe = config.model.num_layers - config.model.num_dense_layers
+    groups = [layout.groups[layout.layer_group(layer)] for layer in range(num_moe)]
+    buckets = {(n * layout.placement.num_devices,)  # global shapes
+               for group in groups for n in group.bucket_sizes}
+    tied = [avals for avals in _barriers(jaxpr)
+            if any(tuple(a.shape) in buckets for a in avals)
+            and any(tuple(a.shape) == hidden for a in avals)]
+    # Each layer's copies behind the layer before's input (layers 1 on), and each bucket's
+    # update behind its own layer's input.
+    assert len(tied) == num_moe - 1 + sum(len(g.bucket_sizes) for g in groups)

@@ -180,14 +180,17 @@ class MadeInLoop:
     updated from host-resident optimizer state, its host copies under the layers before it).
 
     Given as ``sco_scan``'s ``stacked_params`` (``loop="unrolled"`` only). Layer l's
-    parameters are ``make(l, sources[l], chain) -> (params_l, output_l, chain)``, run in the
-    forward with ``sources[l]`` behind an optimization barrier on layer ``l - lead``'s input
+    parameters are ``make(l, sources[l], chain, ready) -> (params_l, output_l, chain)``, run in
+    the forward with ``sources[l]`` behind an optimization barrier on layer ``l - lead``'s input
     (none for the first ``lead`` layers), plus ``offsets.layers[l]`` (a PerLayer of zeros
     shaped like the params: the gradients are taken with respect to them, and equal the
     gradients with respect to the made params). ``sources`` and ``chain`` are pytrees of
     arrays that take no gradient; ``chain`` is threaded from layer to layer (the optimizer's
-    slot chain). After the call, ``results`` holds ``(outputs, chain)``: the per-layer
-    ``output_l`` and the last chain, tracers of the same trace, to be returned by the caller.
+    slot chain). ``ready`` is layer l's own input (its inexact leaves, without gradient): work
+    that ``make`` ties to it (the update's arithmetic, after its copies) waits for layer
+    l - 1's compute, which its copies then run under. After the call, ``results`` holds
+    ``(outputs, chain)``: the per-layer ``output_l`` and the last chain, tracers of the same
+    trace, to be returned by the caller.
 
     Why: the layers' parameters made before the loop depend on nothing the forward computes,
     and XLA:GPU then scheduled all of their work (every optimizer bucket's copy in, update and
@@ -204,8 +207,8 @@ class MadeInLoop:
     def map_params(self, fn: Callable) -> MadeInLoop:
         """The same, each layer's params and offsets given as ``fn(layer, params_l)`` (a
         caller's wrapping of the layer pytree), sharing ``results``."""
-        def make(layer, sources, chain):
-            params, output, chain = self.make(layer, sources, chain)
+        def make(layer, sources, chain, ready):
+            params, output, chain = self.make(layer, sources, chain, ready)
             return fn(layer, params), output, chain
 
         offsets = PerLayer(tuple(fn(i, p) for i, p in enumerate(self.offsets.layers)))
@@ -225,13 +228,16 @@ class _Maker:
         sources, chain = made_inputs
         state = {"chain": chain, "outputs": []}
 
+        def boundary(carry):
+            return lax.stop_gradient([leaf for leaf in jax.tree.leaves(carry)
+                                      if _is_inexact(leaf)])
+
         def params(layer, inputs, offset):
             source = sources[layer]
             if layer - self.lead >= 0:
-                after = [leaf for leaf in jax.tree.leaves(inputs[layer - self.lead])
-                         if _is_inexact(leaf)]
-                source, _ = lax.optimization_barrier((source, lax.stop_gradient(after)))
-            made, output, state["chain"] = self.make(layer, source, state["chain"])
+                source, _ = lax.optimization_barrier((source, boundary(inputs[layer - self.lead])))
+            made, output, state["chain"] = self.make(layer, source, state["chain"],
+                                                     boundary(inputs[layer]))
             state["outputs"].append(output)
             return jax.tree.map(lambda m, o: m + o.astype(m.dtype) if _is_inexact(m) else m,
                                 made, offset)

@@ -311,7 +311,7 @@ class OffloadStream:
         return StepScalars(state.shared, self._global_norm(jax.tree.leaves(grads)), apply)
 
     def update_group(self, grads, group_state: GroupState, scalars: StepScalars,
-                     slot_chain: list | None = None, write_back: bool = True):
+                     slot_chain: list | None = None, write_back: bool = True, after=None):
         """Updates one group's buckets (traceable: inside the trainer's jit).
 
         ``grads``: the group's gradient leaves (``layout.group_leaves(grads, g)``: whole leaves,
@@ -322,7 +322,11 @@ class OffloadStream:
         ``write_back=False``: the new GroupState is left on the device, unbounded by the slot
         chain (``slot_chain`` must be None): the caller writes it back with ``write_back``,
         later in its program (the trainer: under the backward). Every updated bucket's master
-        and state then stay on the device until then, (4 + S) * P bytes."""
+        and state then stay on the device until then, (4 + S) * P bytes.
+
+        ``after``: arrays each bucket's update waits for once its copies are in (an
+        optimization barrier; the trainer passes the layer's input, so that the copies run
+        under the layer before)."""
         if not write_back and slot_chain is not None:
             raise ValueError("slot_chain: expected None with write_back=False (the slots bound "
                              "the buckets written back)")
@@ -336,7 +340,7 @@ class OffloadStream:
             raise ValueError(f"grads: expected group {group_state.index}'s leaf shapes "
                              f"{expected}, got {shapes}")
         leaves, new_group, chain = self._update_group(grads, group_state, scalars,
-                                                      slot_chain or [], write_back)
+                                                      slot_chain or [], write_back, after)
         if slot_chain is not None:
             slot_chain[:] = chain
         return leaves, new_group
@@ -381,7 +385,7 @@ class OffloadStream:
         return layout.merge_groups(leaves_per_group), self.new_state(state, groups, scalars)
 
     def _update_group(self, grad_leaves, group_state: GroupState, scalars: StepScalars, chain,
-                      write_back: bool = True):
+                      write_back: bool = True, after=None):
         """The group's buckets, each waiting for the bucket ``slots`` before it in ``chain``
         (earlier buckets' written state and working pieces, extended and returned); without
         ``write_back`` no chain and no copy back (``update_group``)."""
@@ -416,6 +420,8 @@ class OffloadStream:
             if write_back and len(chain) >= self.slots:  # wait for the bucket `slots` back
                 host_in, _ = lax.optimization_barrier((host_in, chain[-self.slots]))
             master, streamed = jax.device_put(host_in, jax.memory.Space.Device)
+            if after is not None:  # the update waits for `after`, its copies do not
+                (master, streamed), _ = lax.optimization_barrier(((master, streamed), after))
             local = placement.local(
                 functools.partial(update_bucket, b),
                 in_specs=(list(group.specs), flat, (flat,) * num_streamed,
