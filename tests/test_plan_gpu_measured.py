@@ -600,3 +600,23 @@ def test_ours_trains_at_the_e2e_plan_s_largest_context(monkeypatch):
                      host_memory=int(config.device.host_memory_gib * 2**30))
     assert plan.largest_context == 427_790
     assert "losses" in _session5_run("e2e_auto_427790")
+
+
+def test_the_untied_overlapped_step_scheduled_its_copies_before_the_forward(tmp_path):
+    """Issue 26's cause, read off XLA:GPU's schedule of h200-1's overlapped step (the streamed
+    optimizer alone, every MoE layer updated before the model was called; the 18:54 dump):
+    nearly all of its 390 host copies start and end before the first attention, so none can
+    run under the layers (scripts/xla_copy_schedule.py; sco.MadeInLoop is the change)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "xla_copy_schedule", RESULTS.parent / "xla_copy_schedule.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with tarfile.open(RESULTS / "xla_gpu_live_ranges_h200-1_opt64k_20261201.tgz") as archive:
+        (member,) = [m for m in archive.getmembers() if m.name.endswith("live-range.txt")]
+        archive.extract(member, tmp_path, filter="data")
+    rows = script.copy_schedule(script.read_sequence(tmp_path / member.name))
+    assert sum(started for _, started, _ in rows) == 390
+    (label, started, ended), *after = rows
+    assert label == "start" and started >= 360 and ended >= 360
+    assert all(label.startswith(script.ATTENTION) for label, _, _ in after)
