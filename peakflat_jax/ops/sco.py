@@ -187,8 +187,8 @@ class MadeInLoop:
     gradients with respect to the made params). ``sources`` and ``chain`` are pytrees of
     arrays that take no gradient; ``chain`` is threaded from layer to layer (the optimizer's
     slot chain). ``ready`` is layer l's own input (its inexact leaves, without gradient): work
-    that ``make`` ties to it (the update's arithmetic, after its copies) waits for layer
-    l - 1's compute, which its copies then run under. After the call, ``results`` holds
+    that ``make`` ties to it waits for layer l - 1's compute (the trainer ties the update's
+    arithmetic to it where no slot chain orders the copies). After the call, ``results`` holds
     ``(outputs, chain)``: the per-layer ``output_l`` and the last chain, tracers of the same
     trace, to be returned by the caller.
 

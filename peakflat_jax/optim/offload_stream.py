@@ -325,8 +325,9 @@ class OffloadStream:
         and state then stay on the device until then, (4 + S) * P bytes.
 
         ``after``: arrays each bucket's update waits for once its copies are in (an
-        optimization barrier; the trainer passes the layer's input, so that the copies run
-        under the layer before)."""
+        optimization barrier; the trainer passes the layer's input where nothing is written
+        back, so that the copies run under the layer before). With the slot chain it would
+        hold every bucket past the first ``slots`` until ``after`` exists."""
         if not write_back and slot_chain is not None:
             raise ValueError("slot_chain: expected None with write_back=False (the slots bound "
                              "the buckets written back)")

@@ -404,11 +404,12 @@ class Trainer:
 
         With the scanned layer stack the MoE layers' new weights are stacked for it (they wait
         for all their groups); with the unrolled one each MoE layer's update is made inside the
-        forward (``MadeInLoop``): layer l's buckets are streamed in once layer l - 1 starts and
-        updated once it is done, and layer l's forward waits for them only, so that the host
-        traffic runs under layer l - 1's compute. (Updated before the forward, as the outer
-        group still is, XLA:GPU scheduled every bucket's copies and update ahead of the first
-        layer: 366 of the 390 copies of h200-1's step, none under compute.) With
+        forward (``MadeInLoop``): layer l's buckets are streamed in once layer l - 1 starts
+        (and, written back under the backward, updated once it is done), and layer l's forward
+        waits for them only, so that the host traffic can run under layer l - 1's compute.
+        (Updated before the forward, as the outer group still is, XLA:GPU scheduled every
+        bucket's copies and update ahead of the first layer: 366 of the 390 copies of h200-1's
+        step, none under compute.) With
         ``operators.optimizer_writeback: backward`` the buckets are written back only once the
         loss exists, under the backward (no slot chain: every updated bucket waits on the
         device)."""
@@ -461,13 +462,16 @@ class Trainer:
 
         def make(layer, source, chain, ready):
             """Layer ``layer``'s new weights: its group's buckets updated inside the forward
-            (``MadeInLoop``: copied in once layer l - 1 starts, updated once it is done), the
-            slot chain carried on."""
+            (``MadeInLoop``: copied in once layer l - 1 starts), the slot chain carried on.
+            Written back under the backward (no chain), each bucket's update also waits for
+            layer l - 1 to end, so that its copies have that layer's compute to run under;
+            with the chain that tie would hold every bucket past the first ``slots`` until
+            then (bucket b's copies wait for bucket b - slots's write-back)."""
             grads, group_state, step_scalars = source
             chain = None if deferred else list(chain)
             updated, group_state = opt.update_group(grads, group_state, step_scalars,
                                                     slot_chain=chain, write_back=not deferred,
-                                                    after=ready)
+                                                    after=ready if deferred else None)
             by_leaf = dict(zip(layout.groups[group_state.index].leaves, updated))
             weights = [by_leaf[i] for i in moe]
             return ((jax.tree.unflatten(moe_def, weights), extras_layers[layer]),
