@@ -1,0 +1,92 @@
+"""The overlapped step's MoE layers updated inside the unrolled forward (``sco.MadeInLoop``):
+bit for bit the plain path, and tied in the program where the GPU needs the ties."""
+
+import chex
+import jax
+import pytest
+from test_train import small_config
+
+from peakflat_jax.train.trainer import Trainer
+
+
+def _tie_barriers(jaxpr, buckets, hidden):
+    """The optimization barriers of a jaxpr's top level that hold a bucket-shaped array and the
+    hidden state, each with the primitives that read its bucket outputs (through further
+    barriers)."""
+    users = {}
+    for eqn in jaxpr.eqns:
+        for var in eqn.invars:
+            if not isinstance(var, jax.extend.core.Literal):
+                users.setdefault(var, []).append(eqn)
+
+    def readers(var):
+        for eqn in users.get(var, []):
+            if eqn.primitive.name == "optimization_barrier":
+                yield from readers(eqn.outvars[eqn.invars.index(var)])
+            else:
+                yield eqn.primitive.name
+
+    ties = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name != "optimization_barrier":
+            continue
+        shapes = [tuple(v.aval.shape) for v in eqn.invars]
+        if hidden in shapes and any(shape in buckets for shape in shapes):
+            ties.append((eqn, {name for var, shape in zip(eqn.outvars, shapes)
+                               if shape in buckets for name in readers(var)}))
+    return ties
+
+
+@pytest.mark.slow
+def test_updates_made_in_the_unrolled_forward_change_no_bit(tmp_path):
+    """With the unrolled stack each MoE layer's update runs inside the forward, behind the
+    layer before (``MadeInLoop``): three MoE layers of five buckets each (more than the two
+    slots), clipping and a schedule give the plain path's losses, weights, router bias and
+    optimizer state bit for bit; and the program ties each layer l >= 1's buckets, before they
+    are copied in, to its own layer l - 1's input (a barrier whose bucket outputs the copies
+    read), and, written back under the backward, each bucket's update to its layer's input."""
+    common = ["model.num_layers=4", "optimizer.max_grad_norm=0.5", "optimizer.warmup_steps=2",
+              "optimizer.bucket_params=2000", "train.steps=3", "train.checkpoints=false"]
+    plain = Trainer(small_config(*common, "operators.optimizer_overlap=false"),
+                    run_dir=str(tmp_path / "plain"))
+    expected = plain.run(progress=False)["losses"]
+    for writeback in ("forward", "backward"):
+        made = Trainer(small_config(*common, "operators.layer_loop=unrolled",
+                                    f"operators.optimizer_writeback={writeback}"),
+                       run_dir=str(tmp_path / writeback))
+        assert made.overlap and made.run(progress=False)["losses"] == expected, writeback
+        chex.assert_trees_all_equal(
+            jax.device_get((plain.final_state.params, plain.final_state.extras,
+                            plain.final_state.opt_state)),
+            jax.device_get((made.final_state.params, made.final_state.extras,
+                            made.final_state.opt_state)))
+        _check_ties(made, writeback)
+
+
+def _check_ties(made, writeback):
+    state = made.final_state
+    batch = made.global_batch(next(made.batches))
+    jaxpr = jax.make_jaxpr(made._overlapped)(state.params, state.extras, state.opt_state,
+                                             state.params, batch, True).jaxpr
+    layout, config = state.opt_state.layout, made.config
+    hidden = (config.data.batch_size, config.data.seq_len, config.model.hidden)
+    num_moe = config.model.num_layers - config.model.num_dense_layers
+    groups = [layout.groups[layout.layer_group(layer)] for layer in range(num_moe)]
+    assert all(len(g.bucket_sizes) > made.optimizer.slots for g in groups)
+    buckets = {(n * layout.placement.num_devices,)  # global shapes
+               for group in groups for n in group.bucket_sizes}
+    ties = _tie_barriers(jaxpr, buckets, hidden)
+    before_copies = [eqn for eqn, readers in ties if "device_put" in readers]
+    assert len(before_copies) == num_moe - 1
+    producers = {var: eqn for eqn in jaxpr.eqns for var in eqn.outvars}
+
+    def origin(var):  # the hidden state the barrier holds, before its stop_gradient
+        eqn = producers.get(var)
+        return eqn.invars[0] if eqn is not None and eqn.primitive.name == "stop_gradient" else var
+
+    held = {origin(next(v for v in eqn.invars if tuple(v.aval.shape) == hidden))
+            for eqn in before_copies}
+    assert len(held) == num_moe - 1  # each layer's own predecessor, not one input for all
+    before_updates = [eqn for eqn, readers in ties if "device_put" not in readers]
+    expected_updates = sum(len(g.bucket_sizes) for g in groups) if writeback == "backward" else 0
+    assert len(before_updates) == expected_updates
