@@ -64,6 +64,7 @@ def test_updates_made_in_the_unrolled_forward_change_no_bit(tmp_path):
 
 
 def _check_ties(made, writeback):
+    """The ties in ``made``'s overlapped step, read off its jaxpr (the test's docstring)."""
     state = made.final_state
     batch = made.global_batch(next(made.batches))
     jaxpr = jax.make_jaxpr(made._overlapped)(state.params, state.extras, state.opt_state,
