@@ -14,7 +14,8 @@
 # What each stage answers (the last driver's record: h200_session_gpu_20261202-130810.json):
 #   on64k_fwd, on64k_bwd  issue 26: h200-1 all four on at 64K with each MoE layer's update made
 #               inside the unrolled forward, tied (sco.MadeInLoop): copies in from layer l - 1's
-#               start, the update after it; written back as updated / under the backward;
+#               start (under the backward's write-back also the update after its end); written
+#               back as updated / under the backward;
 #               profiled (host copies under compute: 129 and 205 ms of ~1335 untied); the first
 #               with XLA's schedule dumped (untied: 335 of 406 copies before the first layer)
 #   opt64k      issue 26: the streamed optimizer alone (EP, unrolled, tied), profiled: its step
