@@ -530,32 +530,29 @@ def test_the_pressure_rule_does_not_switch_on_with_the_context():
 
 
 SESSION5 = RESULTS / "h200_session_gpu_20261202-130810.json"
-SESSION5_RUNS = {
-    # the record's run -> (config, overrides, the plan's program)
-    "on64k_fwd": ("h200-1", ["operators.moe_dispatch=pipelined", "operators.loss=ring",
-                             "operators.offload=all", "operators.optimizer_offload=true",
-                             "operators.layer_loop=unrolled"]),
-    "on64k_bwd": pytest.param(
-        "h200-1", ["operators.moe_dispatch=pipelined", "operators.loss=ring",
+ALL_ON_UNROLLED = ["operators.moe_dispatch=pipelined", "operators.loss=ring",
                    "operators.offload=all", "operators.optimizer_offload=true",
-                   "operators.layer_loop=unrolled", "operators.optimizer_writeback=backward"],
-        marks=pytest.mark.xfail(strict=True, reason="1.36x: the write-back under the backward "
-                                "holds less than its (4 + S) P bytes at XLA:GPU's peak")),
-    "base64k": ("h200-1", []),
-    "base_517600": ("h200-1", ALL_OFF + ["data.seq_len=517600"]),
-    "e2e_hostcpu_b2": ("h200-e2e", ALL_OFF + ["data.seq_len=32768", "data.batch_size=2",
+                   "operators.layer_loop=unrolled"]
+SESSION5_RUNS = [
+    # the record's run, its config and overrides
+    ("on64k_fwd", "h200-1", ALL_ON_UNROLLED),
+    pytest.param("on64k_bwd", "h200-1",
+                 ALL_ON_UNROLLED + ["operators.optimizer_writeback=backward"],
+                 marks=pytest.mark.xfail(strict=True, reason="1.36x: the write-back under the "
+                                         "backward holds less than its (4 + S) P bytes at "
+                                         "XLA:GPU's peak")),
+    ("base64k", "h200-1", []),
+    ("base_517600", "h200-1", ALL_OFF + ["data.seq_len=517600"]),
+    ("e2e_hostcpu_b2", "h200-e2e", ALL_OFF + ["data.seq_len=32768", "data.batch_size=2",
                                               "optimizer.update_on=host_cpu"]),
-}
+]
 
 
 def _session5_run(run: str) -> dict:
     return json.loads(SESSION5.read_text())["runs"][run]
 
 
-@pytest.mark.parametrize("run, config, overrides",
-                         [pytest.param(name, *case.values, marks=case.marks)
-                          if hasattr(case, "marks") else (name, *case)
-                          for name, case in SESSION5_RUNS.items()])
+@pytest.mark.parametrize("run, config, overrides", SESSION5_RUNS)
 def test_the_plan_bounds_the_peaks_of_the_fifth_session(run, config, overrides, monkeypatch):
     """The fifth driver's trained runs (allocator peaks; the host-CPU stack's host too, VmHWM),
     each planned against the device's memory (the host-CPU stack's lifted, as the bench lifts

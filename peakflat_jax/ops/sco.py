@@ -229,8 +229,7 @@ class _Maker:
         state = {"chain": chain, "outputs": []}
 
         def boundary(carry):
-            return lax.stop_gradient([leaf for leaf in jax.tree.leaves(carry)
-                                      if _is_inexact(leaf)])
+            return lax.stop_gradient(_CarryLeaves(carry).inexact_part(carry))
 
         def params(layer, inputs, offset):
             source = sources[layer]

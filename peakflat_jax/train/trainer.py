@@ -409,10 +409,9 @@ class Trainer:
         waits for them only, so that the host traffic can run under layer l - 1's compute.
         (Updated before the forward, as the outer group still is, XLA:GPU scheduled every
         bucket's copies and update ahead of the first layer: 366 of the 390 copies of h200-1's
-        step, none under compute.) With
-        ``operators.optimizer_writeback: backward`` the buckets are written back only once the
-        loss exists, under the backward (no slot chain: every updated bucket waits on the
-        device)."""
+        step, none under compute.) With ``operators.optimizer_writeback: backward`` the
+        buckets are written back only once the loss exists, under the backward (no slot chain:
+        every updated bucket waits on the device)."""
         opt = self.optimizer
         layout = opt_state.layout
         scalars = opt.step_scalars(pending, opt_state, apply)
