@@ -1,30 +1,27 @@
 #!/usr/bin/env bash
-# The next session's GPU runs, as the stages of one detached driver on nvidia-h200 (~25 min),
-# most decisive first, each with its own limit; logs and records under $LOGS as they go.
+# This session's GPU runs, as the stages of one detached driver on nvidia-h200 (~12 min), most
+# decisive first, each with its own limit; logs and records under $LOGS as they go.
 #
 #   cp ../shared/gpu/driver.sh .gpu/ && cp scripts/gpu_session.sh .gpu/stages.sh  (wheels: .whl/)
-#   call 1 (carry [".gpu", ".whl"]): PEAKFLAT_COMMIT=<sha> bash .gpu/driver.sh start .gpu/stages.sh 540
-#   calls 2.. (no carry, within 30 s of the last; a later call finds a fresh machine and the
-#   driver gone), each returning as soon as the driver is done:
+#   call 1 (carry [".gpu", ".whl"]): PEAKFLAT_COMMIT=<sha> bash .gpu/driver.sh start .gpu/stages.sh 0
+#     followed in the same command by the wait loop below; calls 2.. (no carry, within 30 s):
 #     for i in $(seq 108); do grep -q "all done" /tmp/gpu-logs/driver.log && break; sleep 5; done
 #     bash /tmp/work/.gpu/driver.sh collect
-#   then give_back at once. Check before the first call that what runs is what was tested
-#   (git diff; sco.MadeInLoop.lead is 1: the 13:08 driver of 2026-12-02 ran a lead of 99).
+#   then give_back at once.
 #
-# What each stage answers (the last driver's record: h200_session_gpu_20261202-130810.json):
-#   on64k_fwd, on64k_bwd  issue 26: h200-1 all four on at 64K with each MoE layer's update made
-#               inside the unrolled forward, tied (sco.MadeInLoop): copies in from layer l - 1's
-#               start (under the backward's write-back also the update after its end); written
-#               back as updated / under the backward;
-#               profiled (host copies under compute: 129 and 205 ms of ~1335 untied); the first
-#               with XLA's schedule dumped (untied: 335 of 406 copies before the first layer)
-#   opt64k      issue 26: the streamed optimizer alone (EP, unrolled, tied), profiled: its step
-#               minus the standard stack's is the exposure the issue bounds (<= 10% of ~1.3 s)
-#   base64k     the standard stack (auto) at 64K in the same lease, for the ratios (1.582 s)
-#   pinned_rss  issue 25: what the machine loses beside 100 GiB of pinned arrays (MemAvailable
-#               against VmRSS): h200-e2e's planned largest, 427,790, was killed with 123.0 GiB
-#               resident of a 124.0 plan
-#   e2e_auto_262144  issue 27: ours at 256K with the tied update (37.16 s untied)
+# What each stage answers (the last driver's record: h200_session_gpu_20261202-162728.json, the
+# tied update at 64K: 1309 ms of host copies a step, 90 under compute, the copies of each layer
+# clustered between its MoE layer and the next attention, start beside done):
+#   link        what the host link moves each way alone and both ways at once (one program)
+#   on64k_bwd_l8, on64k_bwd_l32  issue 26: h200-1 all four on at 64K, written back under the
+#               backward, with XLA:GPU's latency-hiding scheduler allowed 8 / 32 host copies in
+#               flight (--xla_gpu_experimental_parallel_async_compute_limit; its default, 2, is
+#               the async-compute resource every copy-start takes); profiled, the first dumped
+#   opt64k_bwd  the streamed optimizer alone (EP, unrolled), under the better limit: its step
+#               minus the standard stack's is the exposure issue 26 bounds (<= 10% of ~1.3 s)
+#   base64k     the standard stack (auto) at 64K in the same lease, for the ratios
+#   on517k_fwd  issue 26: all four on at the standard stack's largest context (517,600; written
+#               back as updated: under the backward does not fit there), 3 steps
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -40,36 +37,39 @@ run() {  # run NAME LIMIT CMD...: each line stamped with seconds since the stage
   tail -n 6 "$LOGS/$name.log"
 }
 keep() { cp "$1/summary.json" "$LOGS/$2_summary.json" 2>/dev/null
-         cp "$1/metrics.jsonl" "$LOGS/$2_metrics.jsonl" 2>/dev/null; }
+         cp "$1/metrics.jsonl" "$LOGS/$2_metrics.jsonl" 2>/dev/null
+         cp "$1/profile.json" "$LOGS/$2_profile.json" 2>/dev/null; rm -rf "$1"; }
+step_of() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['median_step_seconds'])" \
+              "$LOGS/$1_summary.json" 2>/dev/null || echo 1e9; }
 nc=(train.checkpoints=false --no-progress --overwrite)
 train=(python3 -m peakflat_jax.cli train)  # timeout runs programs, not shell functions
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+export PEAKFLAT_JAX_CACHE=/tmp/cache
 ALL_OFF=(operators.moe_dispatch=ep operators.loss=materialized operators.offload=none
          operators.optimizer_offload=false)
-export PEAKFLAT_JAX_CACHE=/tmp/cache
 ALL_ON=(operators.moe_dispatch=pipelined operators.loss=ring operators.offload=all
         operators.optimizer_offload=true operators.layer_loop=unrolled)
-XLA_FLAGS="--xla_dump_to=/tmp/dump-on64k --xla_dump_hlo_as_text --xla_dump_hlo_module_re=overlapped" \
-  run on64k_fwd 260 "${train[@]}" h200-1 train.steps=5 "${ALL_ON[@]}" train.profile_steps=2 \
-  "${nc[@]}" --run-dir /tmp/r-on-fwd; keep /tmp/r-on-fwd on64k_fwd
-cp /tmp/r-on-fwd/profile.json "$LOGS/on64k_fwd_profile.json" 2>/dev/null
-mkdir -p /tmp/pick-on64k && cp /tmp/dump-on64k/*after_optimizations-live-range.txt \
-  /tmp/dump-on64k/*after_optimizations-memory-usage-report.txt /tmp/pick-on64k/ 2>/dev/null
-for f in /tmp/dump-on64k/*overlapped*before_optimizations.txt; do
-  gzip -c "$f" > "/tmp/pick-on64k/$(basename "$f").gz"; done
-tar -czf "$LOGS/dump-on64k.tgz" -C /tmp pick-on64k; rm -rf /tmp/dump-on64k
-run on64k_bwd 240 "${train[@]}" h200-1 train.steps=5 "${ALL_ON[@]}" \
-  operators.optimizer_writeback=backward train.profile_steps=2 "${nc[@]}" --run-dir /tmp/r-on-bwd
-keep /tmp/r-on-bwd on64k_bwd; cp /tmp/r-on-bwd/profile.json "$LOGS/on64k_bwd_profile.json" 2>/dev/null
-run opt64k 240 "${train[@]}" h200-1 train.steps=5 "${ALL_OFF[@]}" operators.optimizer_offload=true \
-  operators.layer_loop=unrolled train.profile_steps=2 "${nc[@]}" --run-dir /tmp/r-opt
-keep /tmp/r-opt opt64k; cp /tmp/r-opt/profile.json "$LOGS/opt64k_profile.json" 2>/dev/null
-run base64k 160 "${train[@]}" h200-1 train.steps=5 "${nc[@]}" --run-dir /tmp/r-base64k
-keep /tmp/r-base64k base64k
-rm -rf /tmp/r-on-fwd /tmp/r-on-bwd /tmp/r-opt  # profiles: /tmp may be memory
-grep -E "MemTotal|MemAvailable|Shmem:" /proc/meminfo > "$LOGS/meminfo_before_pinned.txt"; df -h /tmp >> "$LOGS/meminfo_before_pinned.txt"
-XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=110 run pinned_rss 200 bash -c 'python3 scripts/probes/probe_pinned_host_rss.py --gib 100 & p=$!
-  while kill -0 $p 2>/dev/null; do echo "sample $(grep VmRSS /proc/$p/status | tr -s " ") $(grep MemAvailable /proc/meminfo | tr -s " ")"; sleep 2; done; wait $p'
-run e2e_auto_262144 420 "${train[@]}" h200-e2e data.seq_len=262144 train.steps=3 "${nc[@]}" \
-  --run-dir /tmp/r-e2e-256k; keep /tmp/r-e2e-256k e2e_auto_262144
+limit() { echo "--xla_gpu_experimental_parallel_async_compute_limit=$1"; }
+run link 90 python3 scripts/probes/probe_host_link.py --gib 4 --pieces 8
+XLA_FLAGS="$(limit 8) --xla_dump_to=/tmp/dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=overlapped" \
+  run on64k_bwd_l8 240 "${train[@]}" h200-1 train.steps=5 "${ALL_ON[@]}" \
+  operators.optimizer_writeback=backward train.profile_steps=2 "${nc[@]}" --run-dir /tmp/r1
+keep /tmp/r1 on64k_bwd_l8
+mkdir -p /tmp/pick && cp /tmp/dump/*after_optimizations-live-range.txt /tmp/pick/ 2>/dev/null
+tar -czf "$LOGS/dump-on64k-bwd-l8.tgz" -C /tmp pick; rm -rf /tmp/dump /tmp/pick
+XLA_FLAGS="$(limit 32)" run on64k_bwd_l32 200 "${train[@]}" h200-1 train.steps=5 "${ALL_ON[@]}" \
+  operators.optimizer_writeback=backward train.profile_steps=2 "${nc[@]}" --run-dir /tmp/r2
+keep /tmp/r2 on64k_bwd_l32
+best=8; python3 -c "import sys; sys.exit(float(sys.argv[1]) >= float(sys.argv[2]))" \
+  "$(step_of on64k_bwd_l32)" "$(step_of on64k_bwd_l8)" && best=32
+echo "=== the better limit: $best"
+XLA_FLAGS="$(limit $best)" run opt64k_bwd 200 "${train[@]}" h200-1 train.steps=5 "${ALL_OFF[@]}" \
+  operators.optimizer_offload=true operators.layer_loop=unrolled \
+  operators.optimizer_writeback=backward train.profile_steps=2 "${nc[@]}" --run-dir /tmp/r3
+keep /tmp/r3 opt64k_bwd
+run base64k 120 "${train[@]}" h200-1 train.steps=5 "${nc[@]}" --run-dir /tmp/r4
+keep /tmp/r4 base64k
+XLA_FLAGS="$(limit $best)" run on517k_fwd 330 "${train[@]}" h200-1 data.seq_len=517600 \
+  train.steps=3 "${ALL_ON[@]}" "${nc[@]}" --run-dir /tmp/r5
+keep /tmp/r5 on517k_fwd
 echo "=== all done $(date -Is)"
