@@ -88,17 +88,29 @@ gradient program with the ring loss, SCO offloading and PipelinedLLEP together g
 gradients on some executions of one executable, the loss right (docs/hf.md holds the record).
 XLA reads it once per process, before its backends start, so it is set here."""
 
+GPU_HOST_COPIES_FLAG = "--xla_gpu_experimental_parallel_async_compute_limit=8"
+"""How many host copies XLA:GPU's latency-hiding scheduler keeps in flight beside compute: 8,
+where jax 0.11.2's XLA keeps 2 (every copy-start takes its async-compute resource, default 2).
+With 2, h200-1's streamed optimizer ran 201 ms of its 1314 ms of copies a step under compute;
+with 8, 437 ms, and the step (all four on, written back under the backward) took 2.467 s
+instead of 2.767; with 32, 2.481 s (scripts/results/h200_session_gpu_20261202-164706.json,
+docs/offload_adamw.md). The peaks stayed under the plan. A GPU flag: ignored by CPU backends;
+an XLA_FLAGS that sets it wins."""
+
 
 def prepare_environment() -> None:
     """Before jax's backends start: 8 simulated devices where the backend is the CPU (ignored by GPU
     backends), XLA:CPU's concurrency-optimized scheduler off (``CPU_SCHEDULER_FLAG``; a CPU
-    flag, ignored by GPU backends too), and room for the largest baselines on a GPU (JAX
-    reserves 75% by default)."""
+    flag, ignored by GPU backends too), 8 host copies in flight on a GPU
+    (``GPU_HOST_COPIES_FLAG``), and room for the largest baselines on a GPU (JAX reserves 75%
+    by default)."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         flags = f"{flags} --xla_force_host_platform_device_count=8".strip()
     if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
         flags = f"{flags} {CPU_SCHEDULER_FLAG}"
+    if "xla_gpu_experimental_parallel_async_compute_limit" not in flags:
+        flags = f"{flags} {GPU_HOST_COPIES_FLAG}"
     os.environ["XLA_FLAGS"] = flags
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

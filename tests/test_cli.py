@@ -219,6 +219,26 @@ def test_the_compilation_cache_keeps_even_a_program_that_compiles_at_once(tmp_pa
     assert cache.is_dir() and any(cache.iterdir())
 
 
+@pytest.mark.parametrize("given, expected", [
+    ("", cli.GPU_HOST_COPIES_FLAG),
+    ("--xla_gpu_experimental_parallel_async_compute_limit=4",
+     "--xla_gpu_experimental_parallel_async_compute_limit=4")])
+def test_the_gpu_host_copies_flag_is_one_xla_reads_and_a_user_s_own_wins(given, expected):
+    """prepare_environment adds the host-copies limit unless XLA_FLAGS sets one, and the jaxlib
+    we run parses it (XLA aborts the process on a flag it does not know) and keeps what was
+    given (a fresh process: XLA reads its flags once)."""
+    code = ("import os; from peakflat_jax.cli import prepare_environment; prepare_environment(); "
+            "import jax, jax.numpy as jnp; "
+            "jax.jit(lambda x: x + 1)(jnp.ones(3)).block_until_ready(); "
+            "print(os.environ['XLA_FLAGS'])")
+    child = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu",
+                                             "XLA_FLAGS": given})
+    assert child.returncode == 0, child.stderr[-2000:]
+    flags = child.stdout.split()
+    assert [f for f in flags if "parallel_async_compute_limit" in f] == [expected]
+
+
 # ----------------------------------------------------------------------------------------------
 # Signals.
 

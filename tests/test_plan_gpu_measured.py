@@ -617,3 +617,50 @@ def test_the_untied_overlapped_step_scheduled_its_copies_before_the_forward(tmp_
     (label, started, ended), *after = rows
     assert label == "start" and started >= 360 and ended >= 360
     assert all(label.startswith(script.ATTENTION) for label, _, _ in after)
+
+
+SESSION6 = RESULTS / "h200_session_gpu_20261202-162728.json"  # the tied update, 2 copies in flight
+SESSION6_LIMIT = RESULTS / "h200_session_gpu_20261202-164706.json"  # 8 and 32 in flight
+ON_BACKWARD = ALL_ON_UNROLLED + ["operators.optimizer_writeback=backward"]
+OPT_ALONE = ALL_OFF + ["operators.optimizer_offload=true", "operators.layer_loop=unrolled"]
+SESSION6_RUNS = [
+    # the record, its run, the overrides of h200-1 at 64K
+    (SESSION6, "on64k_fwd", ALL_ON_UNROLLED),
+    pytest.param(SESSION6, "on64k_bwd", ON_BACKWARD,
+                 marks=pytest.mark.xfail(strict=True, reason="1.25x: with 2 host copies in "
+                                         "flight XLA:GPU held less of the deferred write-back "
+                                         "at its peak (8 in flight: 1.03x, below)")),
+    (SESSION6, "opt64k", OPT_ALONE),
+    (SESSION6, "base64k", []),
+    (SESSION6_LIMIT, "on64k_bwd_l8", ON_BACKWARD),
+    (SESSION6_LIMIT, "on64k_bwd_l32", ON_BACKWARD),
+    (SESSION6_LIMIT, "opt64k_bwd", OPT_ALONE + ["operators.optimizer_writeback=backward"]),
+    (SESSION6_LIMIT, "base64k", []),
+]
+
+
+@pytest.mark.parametrize("record, run, overrides", SESSION6_RUNS)
+def test_the_plan_bounds_the_peaks_of_the_sixth_session(record, run, overrides, monkeypatch):
+    """The sixth session's trained runs of h200-1 at 64K (allocator peaks; VmHWM on the host),
+    with XLA:GPU's default of 2 host copies in flight and with 8 or 32
+    (``cli.GPU_HOST_COPIES_FLAG``): at or under the plan and the plan within 1.2x, device and
+    host."""
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+    plan = make_plan(load_config("h200-1", overrides), 1, platform="gpu", baseline=False,
+                     search_context=False, **DEVICE)
+    measured = json.loads(record.read_text())["runs"][run]
+    assert len(measured["losses"]) == 5 and all(map(math.isfinite, measured["losses"]))
+    assert measured["peak_device_bytes"] <= plan.total_bytes <= 1.2 * measured["peak_device_bytes"]
+    assert measured["host_peak_bytes"] <= plan.host_bytes <= 1.2 * measured["host_peak_bytes"]
+
+
+def test_all_four_at_the_standard_stack_s_largest_context_compile_under_the_plan():
+    """All four on at 517,600 tokens (the standard stack's largest; written back as updated, 8
+    host copies in flight): XLA:GPU's plan of the overlapped step, read from the run's log
+    (the lease ended after its first step), at or under the plan and within 1.2x of it."""
+    run = json.loads(SESSION6_LIMIT.read_text())["runs"]["on517k_fwd"]
+    (line,) = [line for line in run["log_tail"] if "XLA's plan" in line]
+    xla_plan = float(re.search(r"XLA's plan ([0-9.]+) GiB", line).group(1)) * 2**30
+    plan = make_plan(load_config("h200-1", ALL_ON_UNROLLED + ["data.seq_len=517600"]), 1,
+                     platform="gpu", baseline=False, search_context=False, **DEVICE)
+    assert xla_plan <= plan.programs["overlapped"] <= 1.2 * xla_plan

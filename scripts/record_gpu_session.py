@@ -1,0 +1,98 @@
+"""One record of a GPU driver's runs (scripts/gpu_session.sh), from the logs it brought back.
+
+    python scripts/record_gpu_session.py LOGS --commit SHA --date ISO --note TEXT \
+        --run NAME='peakflat train CONFIG overrides...' [--run ...] [--plan-commit SHA]
+
+For each ``--run``: the command, the last lines of ``LOGS/NAME.log``, the trainer's numbers from
+``LOGS/NAME_summary.json`` (median step, tokens/s, MFU, the allocator's peak, XLA's plan, the
+host's VmHWM, losses) and of ``NAME_profile.json`` (host copies under compute), and what
+``peakflat plan`` says of the same command here (platform gpu: the config's device), so that a
+record holds the plan it is held to. A run with no summary (killed, out of memory) keeps its
+log. Writes ``scripts/results/h200_session_gpu_<date>.json`` and prints its path."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import shlex
+import subprocess
+import sys
+
+GIB = 2**30
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def plan_gib(command: str) -> dict | None:
+    """``peakflat plan`` of a train command's config and overrides (flags dropped), in GiB."""
+    words = [w for w in shlex.split(command) if not w.startswith("XLA_FLAGS=")]
+    if words[:2] != ["peakflat", "train"]:
+        return None
+    args = [w for w in words[2:] if not w.startswith(("--", "train."))]
+    out = subprocess.run([sys.executable, "-m", "peakflat_jax.cli", "plan", *args, "--json"],
+                         capture_output=True, text=True, check=False)
+    if out.returncode not in (0, 1):
+        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
+    plan = json.loads(out.stdout)
+    return {"plan_device_gib": round(plan["total_bytes"] / GIB, 2),
+            "plan_host_gib": round(plan["host_bytes"] / GIB, 2),
+            "plan_feasible": plan["feasible"]}
+
+
+def run_record(logs: pathlib.Path, name: str, command: str) -> dict:
+    record: dict = {"command": command}
+    log = logs / f"{name}.log"
+    if log.exists():
+        record["log_tail"] = log.read_text().splitlines()[-8:]
+    summary_path = logs / f"{name}_summary.json"
+    if summary_path.exists():
+        s = json.loads(summary_path.read_text())
+        record.update(
+            step_seconds=round(s["median_step_seconds"], 3),
+            tokens_per_second=s["tokens_per_second"], mfu=s["mfu"],
+            peak_device_bytes=s["peak_device_bytes"], xla_plan_bytes=s["xla_plan_bytes"],
+            host_peak_bytes=s["host_peak_bytes"],
+            peak_device_gib=round(s["peak_device_bytes"] / GIB, 2),
+            host_peak_gib=round(s["host_peak_bytes"] / GIB, 2),
+            losses=s["losses"], startup_seconds=s.get("startup_seconds"))
+    profile_path = logs / f"{name}_profile.json"
+    if profile_path.exists():
+        copies = json.loads(profile_path.read_text()).get("host_copies", {})
+        record["host_copies_ms_per_step"] = {
+            device: {k: round(v, 1) for k, v in c.items()} for device, c in copies.items()}
+    plan = plan_gib(command)
+    if plan:
+        record.update(plan)
+    return record
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("logs", type=pathlib.Path)
+    parser.add_argument("--commit", required=True)
+    parser.add_argument("--date", required=True, help="the driver's start, ISO 8601")
+    parser.add_argument("--note", required=True)
+    parser.add_argument("--device", default="1 x NVIDIA H200 (nvidia-h200), 143771 MiB")
+    parser.add_argument("--run", action="append", default=[], metavar="NAME=COMMAND")
+    parser.add_argument("--extra", action="append", default=[], metavar="NAME=FILE.json",
+                        help="a JSON file of the logs kept whole under runs[NAME]")
+    args = parser.parse_args(argv)
+    date = datetime.datetime.fromisoformat(args.date)
+    runs = {}
+    for item in args.run:
+        name, _, command = item.partition("=")
+        runs[name] = run_record(args.logs, name, command)
+    for item in args.extra:
+        name, _, path = item.partition("=")
+        runs[name] = json.loads((args.logs / path).read_text())
+    record = {"benchmark": "train", "date": date.isoformat(), "device": args.device,
+              "jax": "0.11.2", "commit": args.commit, "note": args.note, "runs": runs}
+    path = RESULTS / f"h200_session_gpu_{date:%Y%m%d-%H%M%S}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
