@@ -15,6 +15,7 @@ time is the union of its events' intervals.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import glob
 import io
@@ -135,6 +136,63 @@ def host_copy_overlap(events: Iterable[tuple[str, str, str, str, float, float]],
                          "compute_ms": compute_ns / 1e6 / steps,
                          "overlapped_ms": both / 1e6 / steps}
     return result
+
+
+def exposed_host_copies(events: Iterable[tuple[str, str, str, str, float, float]], *,
+                        steps: int, top: int = 20) -> dict:
+    """Per plane (device), where the host copies ran beside no compute: ``exposed_ms`` a call
+    (the copies' union less the compute's) and ``waited_ms``, that time by the op that ran next
+    on the device once the gap closed (the op the gap held back, by its HLO name: a layer's
+    attention, a write-back's command buffer), the ``top`` ops by milliseconds a call;
+    ``"(none after)"`` for copies after the last compute. Milliseconds a call, as
+    ``host_copy_overlap``'s."""
+    copies, compute = collections.defaultdict(list), collections.defaultdict(list)
+    for plane, _, op, kernel, start, duration in events:
+        if HOST_COPY.search(kernel):
+            copies[plane].append((start, start + duration))
+        else:
+            compute[plane].append((start, start + duration, op))
+    result = {}
+    for plane in sorted(copies):
+        busy = _merged([(start, end) for start, end, _ in compute[plane]])
+        starts = sorted((start, op) for start, _, op in compute[plane])
+        waited, total = collections.Counter(), 0.0
+        for start, end in _merged(copies[plane]):
+            for gap_start, gap_end in _uncovered(start, end, busy):
+                total += gap_end - gap_start
+                index = bisect.bisect_left(starts, (gap_end, ""))
+                waited[starts[index][1] if index < len(starts) else "(none after)"] += (
+                    gap_end - gap_start)
+        result[plane] = {"exposed_ms": total / 1e6 / steps,
+                         "waited_ms": {op: ns / 1e6 / steps for op, ns in waited.most_common(top)}}
+    return result
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``[start, end)`` intervals as disjoint intervals, in order."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+def _uncovered(start: float, end: float, busy: list[tuple[float, float]]):
+    """The parts of ``[start, end)`` outside the disjoint, ordered intervals ``busy``."""
+    index = max(0, bisect.bisect_right(busy, (start, float("inf"))) - 1)
+    cursor = start
+    for busy_start, busy_end in busy[index:]:
+        if busy_start >= end:
+            break
+        if busy_end <= cursor:
+            continue
+        if busy_start > cursor:
+            yield cursor, busy_start
+        cursor = max(cursor, busy_end)
+    if cursor < end:
+        yield cursor, end
 
 
 def _union_ns(intervals: list[tuple[float, float]]) -> float:

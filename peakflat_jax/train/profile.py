@@ -2,7 +2,8 @@
 after the first (which compiles) into the run directory's ``profile/``, and ``profile.json``
 reduces it to what a reader asks first: each device's streams' busy time, the top ops, and how
 much of the host copies (the offloaded optimizer's state, SCO's boundaries) ran under compute
-(``bench.device_profile.host_copy_overlap``). The trace is written once, after the last traced
+(``bench.device_profile.host_copy_overlap``) and which ops the rest held back
+(``exposed_host_copies``). The trace is written once, after the last traced
 step; nothing else in the run changes.
 """
 
@@ -85,6 +86,7 @@ def summarize(directory: pathlib.Path, steps: int) -> dict:
                                          "trace holds host threads only)"}
     summary = device_profile.summarize_events(events, steps=steps, top=40)
     summary["host_copies"] = device_profile.host_copy_overlap(events, steps=steps)
+    summary["host_copies_exposed"] = device_profile.exposed_host_copies(events, steps=steps)
     return summary
 
 
@@ -95,6 +97,8 @@ def describe(summary: dict, directory: pathlib.Path) -> str:
     if "error" in summary:
         return f"{where}: {summary['error']}"
     plane, copies = next(iter(summary["host_copies"].items()))
+    waited = summary.get("host_copies_exposed", {}).get(plane, {}).get("waited_ms", {})
+    held = "".join(f", {ms:.1f} ms before {op}" for op, ms in list(waited.items())[:2])
     return (f"{where}: {plane} computes {copies['compute_ms']:.1f} ms a step, copies to and "
             f"from the host {copies['host_copy_ms']:.1f} ms, {copies['overlapped_ms']:.1f} ms "
-            f"of them under compute (profile.json)")
+            f"of them under compute{held} (profile.json)")
