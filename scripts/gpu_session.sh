@@ -23,6 +23,9 @@
 #               updated: under the backward does not fit), 3 steps (the 16:47 lease ended
 #               after its first: XLA's plan 103.45 GiB)
 #   base517k    the standard stack there, in the same lease (27.3 s a step at 13:08)
+#   pinned_rss  issue 25: what the machine loses beside 100 GiB of pinned arrays (MemAvailable
+#               against VmRSS, sampled): h200-e2e's planned largest, 427,790, was killed with
+#               123.0 GiB resident of a 124.0 plan on a host of 125.85
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -62,4 +65,7 @@ keep /tmp/r4 on517k
 run base517k 240 "${train[@]}" h200-1 data.seq_len=517600 train.steps=3 "${ALL_OFF[@]}" \
   "${nc[@]}" --run-dir /tmp/r5
 keep /tmp/r5 base517k
+grep -E "MemTotal|MemAvailable|Shmem:" /proc/meminfo > "$LOGS/meminfo_before_pinned.txt"
+XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=110 run pinned_rss 200 bash -c 'python3 scripts/probes/probe_pinned_host_rss.py --gib 100 & p=$!
+  while kill -0 $p 2>/dev/null; do echo "sample $(grep VmRSS /proc/$p/status | tr -s " ") $(grep MemAvailable /proc/meminfo | tr -s " ")"; sleep 2; done; wait $p'
 echo "=== all done $(date -Is)"
