@@ -94,8 +94,10 @@ where jax 0.11.2's XLA keeps 2 (every copy-start takes its async-compute resourc
 With 2, h200-1's streamed optimizer ran 201 ms of its 1314 ms of copies a step under compute;
 with 8, 437 ms, and the step (all four on, written back under the backward) took 2.467 s
 instead of 2.767; with 32, 2.481 s (scripts/results/h200_session_gpu_20261202-164706.json,
-docs/offload_adamw.md). The peaks stayed under the plan. A GPU flag: ignored by CPU backends;
-an XLA_FLAGS that sets it wins."""
+docs/offload_adamw.md). The peaks rose (59.66 -> 72.69 GiB there: XLA starts the write-back
+earlier) and stayed under the plan, as did XLA's plan of all four on at 517,600 tokens. Set for
+every command (train, bench, ``plan --check``); not yet measured: the forward write-back at 64K
+and h200-e2e under it. A GPU flag: ignored by CPU backends; an XLA_FLAGS that sets it wins."""
 
 
 def prepare_environment() -> None:

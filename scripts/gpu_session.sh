@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# The next session's GPU runs, as the stages of one detached driver on nvidia-h200 (~13 min),
+# The next session's GPU runs, as the stages of one detached driver on nvidia-h200 (~16 min),
 # most decisive first, each with its own limit; logs and records under $LOGS as they go.
 #
 #   cp ../shared/gpu/driver.sh .gpu/ && cp scripts/gpu_session.sh .gpu/stages.sh  (wheels: .whl/)
-#   call 1 (carry [".gpu", ".whl"]), returning when the driver is done, not after a fixed sleep:
+#   call 1 (carry [".gpu", ".whl"], timeout_s 600):
 #     PEAKFLAT_COMMIT=<sha> bash .gpu/driver.sh start .gpu/stages.sh 0 >/dev/null; \
 #     for i in $(seq 110); do grep -q "all done" /tmp/gpu-logs/driver.log && break; sleep 5; done; \
 #     bash .gpu/driver.sh collect
-#   a later call only if the first ran out (no carry, within 30 s: after that the machine and the
-#   driver are gone); then give_back at once and write the record with
-#   scripts/record_gpu_session.py. A helper must not call the device tool: its time is ours.
+#   call 2 (no carry, within 30 s of call 1's end: after that the machine and the driver are
+#   gone; the stages take ~15 min, so call 1 runs out first):
+#     for i in $(seq 110); do grep -q "all done" /tmp/gpu-logs/driver.log && break; sleep 5; done; \
+#     bash /tmp/work/.gpu/driver.sh collect
+#   then give_back at once and write the record with scripts/record_gpu_session.py. A helper
+#   must not call the device tool: its time is the session's.
 #
 # What each stage answers (the last drivers' records: h200_session_gpu_20261202-162728.json and
 # -164706.json; the trainer now keeps 8 host copies in flight, cli.GPU_HOST_COPIES_FLAG):
+#   link        the host link each way and both at once, now with 8 copies in flight (at 16:47,
+#               with XLA's 2: 54.5 / 54.4 / 59.5 GB/s, which cannot tell a shared link from
+#               copies run one after another)
 #   on64k_fwd   issue 26: h200-1 all four on at 64K, written back as updated (the default), at 8
 #               in flight (2.903 s at 2), profiled: profile.json's host_copies_exposed says which
 #               ops the exposed copies held back
@@ -51,6 +57,7 @@ ALL_OFF=(operators.moe_dispatch=ep operators.loss=materialized operators.offload
          operators.optimizer_offload=false)
 ALL_ON=(operators.moe_dispatch=pipelined operators.loss=ring operators.offload=all
         operators.optimizer_offload=true operators.layer_loop=unrolled)
+run link 90 python3 scripts/probes/probe_host_link.py --gib 4 --pieces 8
 run on64k_fwd 260 "${train[@]}" h200-1 train.steps=5 "${ALL_ON[@]}" train.profile_steps=2 \
   "${nc[@]}" --run-dir /tmp/r1
 keep /tmp/r1 on64k_fwd

@@ -1,13 +1,15 @@
 """One record of a GPU driver's runs (scripts/gpu_session.sh), from the logs it brought back.
 
     python scripts/record_gpu_session.py LOGS --commit SHA --date ISO --note TEXT \
-        --run NAME='peakflat train CONFIG overrides...' [--run ...] [--plan-commit SHA]
+        --run NAME='[XLA_FLAGS=...] peakflat train CONFIG overrides...' [--run ...] \
+        [--extra NAME=FILE.json ...]
 
 For each ``--run``: the command, the last lines of ``LOGS/NAME.log``, the trainer's numbers from
 ``LOGS/NAME_summary.json`` (median step, tokens/s, MFU, the allocator's peak, XLA's plan, the
 host's VmHWM, losses) and of ``NAME_profile.json`` (host copies under compute), and what
-``peakflat plan`` says of the same command here (platform gpu: the config's device), so that a
-record holds the plan it is held to. A run with no summary (killed, out of memory) keeps its
+``peakflat plan`` says of the same command here, at this checkout (platform gpu: the config's
+device; its commit goes into the record as ``plan_commit``), so that a record holds the plan it
+is held to. A run with no summary (killed, out of memory) keeps its
 log. Writes ``scripts/results/h200_session_gpu_<date>.json`` and prints its path."""
 
 from __future__ import annotations
@@ -15,26 +17,46 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import pathlib
 import shlex
 import subprocess
 import sys
 
+from peakflat_jax import cli
+
 GIB = 2**30
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
+def train_words(command: str) -> list[str] | None:
+    """The arguments of a train command (``peakflat train ...`` or ``python3 -m
+    peakflat_jax.cli train ...``, after any ``NAME=value`` environment words), or None."""
+    words = shlex.split(command)
+    while words and "=" in words[0] and not words[0].startswith("-"):
+        words = words[1:]
+    for prefix in (["peakflat", "train"], ["python3", "-m", "peakflat_jax.cli", "train"],
+                   ["python", "-m", "peakflat_jax.cli", "train"]):
+        if words[:len(prefix)] == prefix:
+            return words[len(prefix):]
+    return None
+
+
 def plan_gib(command: str) -> dict | None:
-    """``peakflat plan`` of a train command's config and overrides (flags dropped), in GiB."""
-    words = [w for w in shlex.split(command) if not w.startswith("XLA_FLAGS=")]
-    if words[:2] != ["peakflat", "train"]:
+    """What ``peakflat plan`` says here of a train command's config and overrides (as
+    ``cli.plan_command`` keeps them), in GiB; None for a command that is no train command."""
+    words = train_words(command)
+    if words is None:
         return None
-    args = [w for w in words[2:] if not w.startswith(("--", "train."))]
-    out = subprocess.run([sys.executable, "-m", "peakflat_jax.cli", "plan", *args, "--json"],
-                         capture_output=True, text=True, check=False)
-    if out.returncode not in (0, 1):
-        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
-    plan = json.loads(out.stdout)
+    args = cli.parse_arguments(cli.make_parser(), ["train", *words])
+    plan_words = shlex.split(cli.plan_command(args.config, args.overrides))[2:]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"}
+    out = subprocess.run([sys.executable, "-m", "peakflat_jax.cli", "plan", *plan_words,
+                          "--json"], capture_output=True, text=True, check=False, env=env)
+    try:
+        plan = json.loads(out.stdout)
+    except json.JSONDecodeError:
+        return {"plan_error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
     return {"plan_device_gib": round(plan["total_bytes"] / GIB, 2),
             "plan_host_gib": round(plan["host_bytes"] / GIB, 2),
             "plan_feasible": plan["feasible"]}
@@ -61,6 +83,12 @@ def run_record(logs: pathlib.Path, name: str, command: str) -> dict:
         copies = json.loads(profile_path.read_text()).get("host_copies", {})
         record["host_copies_ms_per_step"] = {
             device: {k: round(v, 1) for k, v in c.items()} for device, c in copies.items()}
+        exposed = json.loads(profile_path.read_text()).get("host_copies_exposed", {})
+        if exposed:
+            record["host_copies_exposed_ms_per_step"] = {
+                device: {"exposed_ms": round(e["exposed_ms"], 1),
+                         "waited_ms": {op: round(ms, 1) for op, ms in e["waited_ms"].items()}}
+                for device, e in exposed.items()}
     plan = plan_gib(command)
     if plan:
         record.update(plan)
@@ -86,8 +114,11 @@ def main(argv=None) -> int:
     for item in args.extra:
         name, _, path = item.partition("=")
         runs[name] = json.loads((args.logs / path).read_text())
+    plan_commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True, check=False).stdout.strip() or "unknown"
     record = {"benchmark": "train", "date": date.isoformat(), "device": args.device,
-              "jax": "0.11.2", "commit": args.commit, "note": args.note, "runs": runs}
+              "jax": "0.11.2", "commit": args.commit, "plan_commit": plan_commit,
+              "note": args.note, "runs": runs}
     path = RESULTS / f"h200_session_gpu_{date:%Y%m%d-%H%M%S}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(path)

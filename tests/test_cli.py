@@ -220,7 +220,7 @@ def test_the_compilation_cache_keeps_even_a_program_that_compiles_at_once(tmp_pa
 
 
 @pytest.mark.parametrize("given, expected", [
-    ("", cli.GPU_HOST_COPIES_FLAG),
+    ("--xla_dump_hlo_as_text", cli.GPU_HOST_COPIES_FLAG),
     ("--xla_gpu_experimental_parallel_async_compute_limit=4",
      "--xla_gpu_experimental_parallel_async_compute_limit=4")])
 def test_the_gpu_host_copies_flag_is_one_xla_reads_and_a_user_s_own_wins(given, expected):
@@ -237,6 +237,8 @@ def test_the_gpu_host_copies_flag_is_one_xla_reads_and_a_user_s_own_wins(given, 
     assert child.returncode == 0, child.stderr[-2000:]
     flags = child.stdout.split()
     assert [f for f in flags if "parallel_async_compute_limit" in f] == [expected]
+    assert {*given.split(), "--xla_force_host_platform_device_count=8",
+            cli.CPU_SCHEDULER_FLAG} <= set(flags)
 
 
 # ----------------------------------------------------------------------------------------------

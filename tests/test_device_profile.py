@@ -51,21 +51,25 @@ def test_host_copies_under_compute_are_the_intersection_of_their_unions():
 
 
 def test_exposed_host_copies_are_charged_to_the_op_that_ran_next():
-    # compute: attn 0-10, mlp 10-20, attn 40-50, add 70-75 (and a second stream 12-18);
-    # copies: 5-30 (on two streams, 5-25 and 22-30), 45-60, 80-90. Exposed: 20-30 (mlp ended at
-    # 20, attn next at 40), 50-60 (add next at 70) and 80-90 (nothing after).
+    # compute: attn 0-10, mlp 10-20, a second stream 18-24, attn 40-50, add 70-75, and an
+    # instant marker at 27; copies: -5-0 (before any compute), 5-30 (on two streams, 5-25 and
+    # 22-30), 45-60, 80-90. Exposed: -5-0 (attn.1 next), 24-30 (attn.2 next at 40: the marker
+    # holds nothing back), 50-60 (add next at 70) and 80-90 (nothing after).
     events = [("gpu:0", "compute", "attn.1", "k", 0, 10),
               ("gpu:0", "compute", "mlp.1", "k", 10, 10),
-              ("gpu:0", "compute 2", "side", "k", 12, 6),
+              ("gpu:0", "compute 2", "side", "k", 18, 6),
+              ("gpu:0", "compute", "marker", "k", 27, 0),
               ("gpu:0", "compute", "attn.2", "k", 40, 10),
               ("gpu:0", "compute", "add", "k", 70, 5),
+              ("gpu:0", "copies 1", "copy-start.0", "MemcpyH2D", -5, 5),
               ("gpu:0", "copies 1", "copy-start.1", "MemcpyH2D", 5, 20),
               ("gpu:0", "copies 2", "copy-start.2", "MemcpyD2H", 22, 8),
               ("gpu:0", "copies 1", "copy-start.3", "MemcpyH2D", 45, 15),
               ("gpu:0", "copies 1", "copy-start.4", "MemcpyD2H", 80, 10)]
     result = device_profile.exposed_host_copies(events, steps=2)["gpu:0"]
-    assert result["exposed_ms"] == pytest.approx(30e-6 / 2)
-    assert result["waited_ms"] == {"attn.2": pytest.approx(5e-6), "add": pytest.approx(5e-6),
+    assert result["exposed_ms"] == pytest.approx(31e-6 / 2)
+    assert result["waited_ms"] == {"attn.1": pytest.approx(2.5e-6), "attn.2": pytest.approx(3e-6),
+                                   "add": pytest.approx(5e-6),
                                    "(none after)": pytest.approx(5e-6)}
     overlap = device_profile.host_copy_overlap(events, steps=2)["gpu:0"]
     assert overlap["host_copy_ms"] - overlap["overlapped_ms"] == pytest.approx(

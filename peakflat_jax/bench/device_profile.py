@@ -150,7 +150,7 @@ def exposed_host_copies(events: Iterable[tuple[str, str, str, str, float, float]
     for plane, _, op, kernel, start, duration in events:
         if HOST_COPY.search(kernel):
             copies[plane].append((start, start + duration))
-        else:
+        elif duration > 0:  # an instant marker holds nothing back
             compute[plane].append((start, start + duration, op))
     result = {}
     for plane in sorted(copies):
@@ -181,9 +181,9 @@ def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 def _uncovered(start: float, end: float, busy: list[tuple[float, float]]):
     """The parts of ``[start, end)`` outside the disjoint, ordered intervals ``busy``."""
-    index = max(0, bisect.bisect_right(busy, (start, float("inf"))) - 1)
     cursor = start
-    for busy_start, busy_end in busy[index:]:
+    for index in range(max(0, bisect.bisect_right(busy, (start, float("inf"))) - 1), len(busy)):
+        busy_start, busy_end = busy[index]
         if busy_start >= end:
             break
         if busy_end <= cursor:

@@ -86,7 +86,10 @@ def summarize(directory: pathlib.Path, steps: int) -> dict:
                                          "trace holds host threads only)"}
     summary = device_profile.summarize_events(events, steps=steps, top=40)
     summary["host_copies"] = device_profile.host_copy_overlap(events, steps=steps)
-    summary["host_copies_exposed"] = device_profile.exposed_host_copies(events, steps=steps)
+    try:
+        summary["host_copies_exposed"] = device_profile.exposed_host_copies(events, steps=steps)
+    except Exception as error:  # noqa: BLE001 (the totals above stand without it)
+        summary["host_copies_exposed"] = {"error": f"{type(error).__name__}: {error}"}
     return summary
 
 
@@ -98,7 +101,8 @@ def describe(summary: dict, directory: pathlib.Path) -> str:
         return f"{where}: {summary['error']}"
     plane, copies = next(iter(summary["host_copies"].items()))
     waited = summary.get("host_copies_exposed", {}).get(plane, {}).get("waited_ms", {})
-    held = "".join(f", {ms:.1f} ms before {op}" for op, ms in list(waited.items())[:2])
+    held = "".join(f", {ms:.1f} ms after the last op" if op == "(none after)" else
+                   f", {ms:.1f} ms before {op}" for op, ms in list(waited.items())[:2])
     return (f"{where}: {plane} computes {copies['compute_ms']:.1f} ms a step, copies to and "
             f"from the host {copies['host_copy_ms']:.1f} ms, {copies['overlapped_ms']:.1f} ms "
             f"of them under compute{held} (profile.json)")

@@ -9,17 +9,25 @@ Each case is one jitted program over ``--pieces`` fp32 arrays of ``--gib`` GiB i
 device arrays to pinned_host, ``both`` does the two at once (independent arrays: nothing orders
 them). Prints one JSON line per case (median of ``--repeats`` after a warm-up, GB/s of the bytes
 moved, both directions counted) and a summary line with the ratio of ``both`` to the slower of
-the two alone: 1 is a link whose directions share one rate, 2 one that is full duplex."""
+the two alone: 1 is a link whose directions share one rate (or copies XLA ran one after
+another), 2 one that is full duplex. XLA_FLAGS are the trainer's (``cli.prepare_environment``:
+8 host copies in flight; the 16:47 run of 2026-12-02 had XLA's 2, which can serialize the two
+directions by itself); the record says which."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
-import jax
-import jax.numpy as jnp
+from peakflat_jax.cli import prepare_environment
+
+prepare_environment()  # the trainer's XLA flags, the host copies in flight among them
+
+import jax  # noqa: E402 (after the flags: XLA reads them once, as its backends start)
+import jax.numpy as jnp  # noqa: E402
 
 
 def main() -> None:
@@ -46,6 +54,7 @@ def main() -> None:
                  (host_in, dev_in), 2 * bytes_each_way),
     }
     summary = {"device": device.device_kind, "jax": jax.__version__,
+               "xla_flags": os.environ.get("XLA_FLAGS", ""),
                "bytes_each_way": bytes_each_way, "pieces": args.pieces}
     for name, (program, inputs, moved) in cases.items():
         jax.block_until_ready(program(*inputs))  # compile and warm
