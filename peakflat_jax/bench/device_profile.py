@@ -197,9 +197,4 @@ def _uncovered(start: float, end: float, busy: list[tuple[float, float]]):
 
 def _union_ns(intervals: list[tuple[float, float]]) -> float:
     """Total length of the union of ``[start, end)`` intervals."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
+    return sum(end - start for start, end in _merged(intervals))
