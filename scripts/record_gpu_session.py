@@ -80,11 +80,14 @@ def run_record(logs: pathlib.Path, name: str, command: str) -> dict:
             losses=s["losses"], startup_seconds=s.get("startup_seconds"))
     profile_path = logs / f"{name}_profile.json"
     if profile_path.exists():
-        copies = json.loads(profile_path.read_text()).get("host_copies", {})
+        profile = json.loads(profile_path.read_text())
         record["host_copies_ms_per_step"] = {
-            device: {k: round(v, 1) for k, v in c.items()} for device, c in copies.items()}
-        exposed = json.loads(profile_path.read_text()).get("host_copies_exposed", {})
-        if exposed:
+            device: {k: round(v, 1) for k, v in c.items()}
+            for device, c in profile.get("host_copies", {}).items()}
+        exposed = profile.get("host_copies_exposed", {})
+        if "error" in exposed:  # the profile could not say where: its reason, as it is
+            record["host_copies_exposed_ms_per_step"] = exposed
+        elif exposed:
             record["host_copies_exposed_ms_per_step"] = {
                 device: {"exposed_ms": round(e["exposed_ms"], 1),
                          "waited_ms": {op: round(ms, 1) for op, ms in e["waited_ms"].items()}}
