@@ -5,6 +5,7 @@ import itertools
 import pytest
 
 from peakflat_jax.config import ConfigError, load_config
+from peakflat_jax.model.attention import sequence_multiple
 from peakflat_jax.plan import make_plan
 from peakflat_jax.plan.operators import CHOICES, describe
 from peakflat_jax.train.trainer import Trainer, runtime_for
@@ -186,3 +187,29 @@ def test_every_context_below_the_largest_fits():
                         device_memory=int(132.8 * GIB), host_memory=125 * GIB).largest_context
     assert largest > 262144
     assert all(_e2e(context).feasible for context in range(32768, largest + 1, 65536))
+
+
+def test_the_largest_context_is_where_some_setting_still_fits():
+    """The largest context of an ``auto`` config is searched over the settings that trade the
+    device's memory for the host's (plan.operators.capable_variants): held against every one
+    of the 16 settings of the four switches, forced, at that context and the next multiple.
+    h200-e2e on an H200 (132.8 GiB, 124.8 of host): with every boundary offloaded the host
+    binds first, with none the device, later."""
+    config = load_config("h200-e2e")
+    memory = dict(device_memory=int(132.8 * GIB), host_memory=int(124.8 * GIB), platform="gpu")
+    largest = make_plan(config, 1, baseline=False, **memory).largest_context
+    step = sequence_multiple("cudnn")  # what the planner's contexts are multiples of here
+
+    def any_fits(context):
+        for values in itertools.product(*CHOICES.values()):
+            forced_config = load_config("h200-e2e", [f"data.seq_len={context}", *forced(
+                dict(zip(SWITCHES, values)))])
+            if make_plan(forced_config, 1, baseline=False, search_context=False,
+                         **memory).feasible:
+                return True
+        return False
+
+    assert largest is not None and any_fits(largest)
+    assert make_plan(load_config("h200-e2e", [f"data.seq_len={largest}"]), 1, baseline=False,
+                     search_context=False, **memory).feasible
+    assert not any_fits(largest + step)

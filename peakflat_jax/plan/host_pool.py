@@ -54,6 +54,23 @@ def runtime_gpu_bytes(loop: str, pool: int) -> int:
     return int(RUNTIME_GPU[loop] + RUNTIME_GPU_PER_POOL_BYTE * pool)
 
 
+OUTSIDE_PER_POOL_BYTE = 0.018
+"""What the machine loses beyond the process's resident set per byte of pinned-host pool: the
+kernel's and the driver's bookkeeping of page-locked memory, which no process owns. Measured on
+an H200 host (``scripts/probes/probe_pinned_host_rss.py`` with a 110 GiB cap, the machine's
+available memory sampled every 2 s; h200_session_gpu_20261202-183240.json, ``pinned_rss``):
+available at the start minus the process's resident set minus available now was 0.3 GiB at a
+~58 GiB pool, 1.25 at ~108 and 1.73-1.89 at 110, held at the cap; 0.018 x 110 GiB = 1.98 holds
+every sample. It is what killed h200-e2e at 427,790 tokens: 123.01 GiB resident of the 124.89
+available, and 1.5% of its ~106 GiB pool beside it left nothing."""
+
+
+def outside_process_bytes(pool: int) -> int:
+    """``host.pinned_outside_process``: ``OUTSIDE_PER_POOL_BYTE`` x the pinned-host ``pool``
+    (bytes)."""
+    return int(OUTSIDE_PER_POOL_BYTE * pool)
+
+
 PLANNED_MARGIN = 0.1
 PLANNED_EXTRA = 2 * GIB
 

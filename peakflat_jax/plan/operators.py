@@ -33,6 +33,27 @@ ON = {name: values[1] for name, values in CHOICES.items()}
 """Every operator on: what ``--auto``'s knob search starts from."""
 
 
+HOST_TRADING = ("offload", "optimizer_offload")
+"""The switches that move a peak from the device to the host: on, they cost host memory, so the
+lightest setting for the device is not the lightest for the host."""
+
+
+def capable_variants(config: Config) -> list[Config]:
+    """The settings of a config's ``auto`` operators among which its largest context is
+    searched: the operators that cost only time on (``ON``), each ``HOST_TRADING`` one at each
+    of its settings. Every setting ``choose_operators`` could take at a context that fits is
+    at most as light as one of these on both memories, so the largest context of the lightest
+    of them is the largest at which ``auto`` finds a setting that fits (h200-e2e: every
+    boundary offloaded, the host binds at 388,072 tokens; none offloaded, the device at
+    427,790)."""
+    config, _ = resolve_host_cpu(config)
+    auto = config.operators.chosen_by_planner
+    on = {name: ON[name] for name in auto if name not in HOST_TRADING}
+    trading = [name for name in HOST_TRADING if name in auto]
+    return [config.replace(operators={**on, **dict(zip(trading, values))})
+            for values in itertools.product(*(CHOICES[name] for name in trading))]
+
+
 def resolve_host_cpu(config: Config) -> tuple[Config, list[Choice]]:
     """With ``optimizer.update_on: host_cpu``, ``operators.optimizer_offload: auto`` resolved to
     false (the state is in host memory and the host CPU updates it: nothing to stream), and the

@@ -10,7 +10,8 @@ from peakflat_jax.config import Config, to_dict
 from peakflat_jax.model.attention import sequence_multiple
 from peakflat_jax.plan.errors import PlanError
 from peakflat_jax.plan.knobs import block_choices, choose_knobs, chunk_choices, knobs_from_config
-from peakflat_jax.plan.operators import choose_layer_loop, choose_operators, with_operators_on
+from peakflat_jax.plan.operators import (capable_variants, choose_layer_loop, choose_operators,
+                                         with_operators_on)
 from peakflat_jax.plan.programs import Choice, Plan, fits_in_memory, step_terms
 from peakflat_jax.plan.rates import Rates, step_seconds
 from peakflat_jax.plan.terms import Knobs, baseline_knobs
@@ -35,8 +36,10 @@ def make_plan(config: Config, num_devices: int, *, context: int | None = None,
         if value is not None and (isinstance(value, bool) or value <= 0):
             raise PlanError(f"{name}: expected a positive number of bytes, got {value!r}")
     choices: list[Choice] = []
-    # The largest context is searched with the auto operators on: where the context needs
-    # them, auto turns them on.
+    config_in = config
+    # The largest context is searched with the auto operators on (those that trade the
+    # device's memory for the host's at each setting, capable_variants): where the context
+    # needs them, auto turns them on.
     capable = with_operators_on(config)
     if auto:  # every knob is searched from the operators on
         config = capable
@@ -64,8 +67,10 @@ def make_plan(config: Config, num_devices: int, *, context: int | None = None,
                                       host_memory=host_memory, platform=platform, knobs=knobs,
                                       auto=auto, rates=rates)
         else:
-            largest = largest_context(capable, num_devices, device_memory=device_memory,
-                                      host_memory=host_memory, platform=platform, rates=rates)
+            found = [largest_context(variant, num_devices, device_memory=device_memory,
+                                     host_memory=host_memory, platform=platform, rates=rates)
+                     for variant in capable_variants(config_in)]
+            largest = max((c for c in found if c is not None), default=None)
     if baseline:
         base_config = config.replace(operators=to_dict(config.operators.all_off))
         base_knobs = baseline_knobs(knobs)

@@ -82,6 +82,10 @@ MEMORY_FORMULAS: dict[str, str] = {
                           "pinned arrays (optimizer buckets, boundaries) up to its limit "
                           "(plan.host_pool; device.pinned_host_pool); more than any host where "
                           "the limit is reached first",
+    "pinned_outside_process": "0.018 * pool on a GPU: what the kernel and the driver hold for "
+                              "the pinned pages, outside the process's resident set (measured "
+                              "on an H200 host: plan.host_pool); the host's budget is the "
+                              "memory available at the start, not its total",
     "optimizer_update_gpu": "0 on a GPU: XLA:GPU fuses the update into elementwise loops over "
                             "the donated state (measured: no fp32 copy of the gradients)",
     "overlap.moe_layer_weights": "2 * P_m * b: the MoE layers' updated weights taken per layer and "
@@ -424,6 +428,8 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
         add("host.runtime_gpu", host_pool.runtime_gpu_bytes(loop, pool), "host",
             MEMORY_FORMULAS["runtime_gpu"])
         add("host.pinned_pool_growth", growth, "host", MEMORY_FORMULAS["pinned_pool_growth"])
+        add("host.pinned_outside_process", host_pool.outside_process_bytes(pool), "host",
+            MEMORY_FORMULAS["pinned_outside_process"])
     return terms
 
 
