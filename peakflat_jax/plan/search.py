@@ -10,8 +10,12 @@ from peakflat_jax.config import Config, to_dict
 from peakflat_jax.model.attention import sequence_multiple
 from peakflat_jax.plan.errors import PlanError
 from peakflat_jax.plan.knobs import block_choices, choose_knobs, chunk_choices, knobs_from_config
-from peakflat_jax.plan.operators import (capable_variants, choose_layer_loop, choose_operators,
-                                         with_operators_on)
+from peakflat_jax.plan.operators import (
+    capable_variants,
+    choose_layer_loop,
+    choose_operators,
+    with_operators_on,
+)
 from peakflat_jax.plan.programs import Choice, Plan, fits_in_memory, step_terms
 from peakflat_jax.plan.rates import Rates, step_seconds
 from peakflat_jax.plan.terms import Knobs, baseline_knobs
