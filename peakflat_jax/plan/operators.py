@@ -7,9 +7,12 @@ every setting of the ``auto`` switches (``CHOICES``; the forced ones stay as giv
 takes those whose step fits the device's and the host's memory at the run's context, and of
 them the one with the shortest estimated step (``plan.rates.step_seconds``), ties going to the
 fewest operators on. Where the standard stack fits, that is all off: nothing is paid for. Where
-none fits, it is every ``auto`` operator on (the smallest peak), and the fit check that follows
-refuses the run with its table of terms. With the device's memory unknown, nothing binds: all
-off.
+none fits, it is the setting with the smallest peak (ties going to the most operators on), and
+the fit check that follows refuses the run with its table of terms. That is mostly every
+``auto`` operator on; it can be the standard stack, whose step past the device's memory is
+counted as XLA:GPU was measured to schedule it (``plan.programs.step_terms``; h200-1 at 1M
+tokens: 199.8 GiB against 204.1 with all four on), and the reason says which. With the device's
+memory unknown, nothing binds: all off.
 
 The host-CPU optimizer (``optimizer.update_on: host_cpu``, ZeRO-Offload's placement) is not one
 of the choices: it is the standard stack's answer to the optimizer's peak, taken only where a
@@ -107,8 +110,9 @@ def choose_operators(config: Config, num_devices: int, *, context: int | None,
     else:
         plan, chosen, _, candidate = min(candidates, key=lambda c: (c[0].total_bytes, -c[2]))
     off = next(c[0] for c in candidates if c[2] == 0)
+    on = next(c[0] for c in candidates if c[2] == len(auto))
     return candidate, resolved + [Choice(f"operators.{name}", value,
-                                         _why(name, value, plan, off, bool(fitting)))
+                                         _why(name, value, plan, off, bool(fitting), on))
                                   for name, value in chosen.items()]
 
 
@@ -157,15 +161,20 @@ def describe(choices) -> str | None:
     return f"operators chosen by the planner: {settings}: {chosen[0].why.split('; ', 1)[1]}"
 
 
-def _why(name: str, value, plan: Plan, off: Plan, fits: bool) -> str:
-    """``auto: on|off; the reason``, the reason shared by every switch of the choice."""
+def _why(name: str, value, plan: Plan, off: Plan, fits: bool, on: Plan) -> str:
+    """``auto: on|off; the reason``, the reason shared by every switch of the choice (``off``,
+    ``on``: the plans with every ``auto`` operator off, on)."""
     gib = 2**30
     memory = ("" if plan.device_memory is None
               else f" of {plan.device_memory / gib:.1f} GiB")
     state = "off" if value == CHOICES[name][0] else "on"
-    if not fits:
+    if not fits and on is plan:
         reason = (f"no setting fits, so every auto operator is on, the smallest peak "
                   f"({plan.total_bytes / gib:.1f} GiB{memory})")
+    elif not fits:
+        reason = (f"no setting fits, so the one with the smallest peak is taken "
+                  f"({plan.total_bytes / gib:.1f} GiB{memory}; with every auto operator on "
+                  f"{on.total_bytes / gib:.1f} GiB)")
     elif off is plan:
         reason = (f"nothing binds (the standard stack's peak {off.total_bytes / gib:.1f} "
                   f"GiB{memory} fits)")

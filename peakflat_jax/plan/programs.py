@@ -53,9 +53,11 @@ def step_terms(config: Config, knobs: Knobs, *, platform: str,
     computes the dense FFN's weight gradients before the attention's backward, where with memory
     to spare it computes them after: h200-1 all off held four ``[N, F_d]`` under the
     attention's backward at 256K and none at 443,720, where the peak is the MoE layer's
-    (docs/plan.md, the fourth driver). Pressed, the closed form bounded XLA:GPU's plan at the
-    contexts measured past the device's memory (488K-621K: 1.11-1.15x); below it the rule does
-    not apply (at 64K with 64 segments the pressed count was 0.98x of the peak)."""
+    (docs/plan.md, the fourth driver). Pressed, the MoE layer is counted as XLA:GPU's buffer
+    assignment at 443,720 holds it there too (``plan.terms``: two [M, H], three [M, F],
+    ``held_under_pressure``), and the closed form bounds XLA:GPU's plan at the contexts
+    measured past the device's memory (488K-665K: 1.01-1.05x); below it the rule does not apply
+    (at 64K with 64 segments the pressed count is 0.98x of the peak)."""
     terms = plan_terms(config, knobs, platform=platform, operators_on=operators_on)
     memory = config.device.memory_gib
     if platform != "gpu" or not memory or not _pressure_measured(config, knobs, operators_on):

@@ -71,6 +71,25 @@ MEMORY_FORMULAS: dict[str, str] = {
                         "of h200-1's EP step at 64K and 256K: at most four [M, H])",
     "moe.expert_ffn_gpu": "4 * M * F * b on one GPU in one chunk (EP): the rows of width F held "
                           "at once (the same buffer assignments: at most four [M, F])",
+    "moe.dispatch_gpu_pressed": "2 * M * H * b on one GPU in one chunk (EP), the standard stack's "
+                                "step pressed (plan.programs.step_terms): past the device's "
+                                "memory XLA:GPU holds at most two [M, H] at once, the dispatched "
+                                "rows and the down projection's output (measured: its buffer "
+                                "assignment of h200-1 all off at 443,720 tokens: two at most "
+                                "over its 1014 steps; two at 256K, four only at 64K)",
+    "moe.expert_ffn_gpu_pressed": "3 * M * F * b on one GPU in one chunk (EP), the step pressed: "
+                                  "at most three [M, F] at once, the gate, the up projection "
+                                  "and their product (measured: the same buffer assignment at "
+                                  "443,720 tokens)",
+    "held_under_pressure": "2 * N * H * b + N * V' * 4 + N * D * 4 on one GPU, the standard "
+                           "stack's step pressed: what XLA:GPU holds through a MoE layer's "
+                           "backward that no other term names: the MoE stack's output and a "
+                           "fifth [N, H] of the layer (model dtype), the materialized loss's "
+                           "fp32 [N, V'] (from the loss's forward until the MoE stack's "
+                           "backward ends) and RoPE's fp32 cos and sin [N, D / 2] (measured: "
+                           "all live at XLA's peak, a MoE layer's attention backward, in its "
+                           "buffer assignment of h200-1 all off at 443,720 tokens, V' = 260; "
+                           "counted only pressed)",
     "moe.hoisted_weight_sums": "(L_m - 1) * 3 * G * H * F * 4 on a GPU, layers unrolled: the "
                                "other MoE layers' fp32 weight-gradient sums, made at once "
                                "before the first MoE backward (XLA:GPU's buffer assignment of "
@@ -283,7 +302,9 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
     chunk, the materialized loss, no offload, the optimizer on the device). ``pressed``: as
     XLA:GPU schedules a program past the device's memory (``plan.programs.step_terms`` says
     when and adds the term it leaves out): the dense FFN's buffers are not held under the
-    attention's backward."""
+    attention's backward, and the MoE layer (EP, one chunk, one GPU) holds two [M, H] and
+    three [M, F] and, through its attention's backward, ``held_under_pressure`` (h200-1's
+    buffer assignment at 443,720 tokens)."""
     model = config.model
     width = knobs.num_devices
     weights = model_weights(model, width)
@@ -479,7 +500,9 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
     layer, the attention's backward and the FFN's (or MoE's) are sub-phases of their own beside
     what the whole layer holds (its saved activations and weights); what one sub-phase keeps
     through the other is a term of that other (on a GPU, ``ffn.under_attention``: the dense
-    FFN's buffers that XLA:GPU keeps through the attention's backward where memory allows)."""
+    FFN's buffers that XLA:GPU keeps through the attention's backward where memory allows).
+    ``pressed``: as XLA:GPU schedules the standard stack's step past the device's memory (no
+    ``ffn.under_attention``; the MoE layer's pressed counts and ``held_under_pressure``)."""
     model = config.model
     itemsize = jnp.dtype(model.dtype).itemsize
     n, h = knobs.tokens_per_device, model.hidden
@@ -541,10 +564,30 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
                 # docs/plan.md). With devices to exchange with, the send buckets and arrivals
                 # are real and unmeasured: the operator's terms stay.
                 rows = model.top_k * n  # M on one device
-                moe["dispatch"] = 4 * rows * h * itemsize
-                moe["expert_ffn"] = 4 * rows * model.expert_ffn * itemsize
-                formulas = {**formulas, "dispatch": MEMORY_FORMULAS["moe.dispatch_gpu"],
-                            "expert_ffn": MEMORY_FORMULAS["moe.expert_ffn_gpu"]}
+                if pressed:
+                    # Past the device's memory (plan.programs.step_terms), XLA:GPU's buffer
+                    # assignment of h200-1 all off at 443,720 tokens
+                    # (scripts/results/xla_gpu_live_ranges_h200-1_off443k_20261202.tgz,
+                    # docs/plan.md) holds at most 2 [M, H] and 3 [M, F] at any step, and
+                    # its peak is a MoE layer's attention backward, through which it holds
+                    # the buffers of held_under_pressure. Only pressed: with memory to spare
+                    # it held four [M, H] (64K) and four [M, F] (256K), and for a real
+                    # vocabulary N V' 4 would be most of the step, measured nowhere.
+                    shard_vocab = (mop.padded_vocab(model.vocab_size, knobs.num_devices)
+                                   // knobs.num_devices)
+                    moe["dispatch"] = 2 * rows * h * itemsize
+                    moe["expert_ffn"] = 3 * rows * model.expert_ffn * itemsize
+                    formulas = {**formulas,
+                                "dispatch": MEMORY_FORMULAS["moe.dispatch_gpu_pressed"],
+                                "expert_ffn": MEMORY_FORMULAS["moe.expert_ffn_gpu_pressed"]}
+                    terms.append(("held_under_pressure",
+                                  2 * n * h * itemsize + n * shard_vocab * 4 + n * d * 4,
+                                  "layer", MEMORY_FORMULAS["held_under_pressure"]))
+                else:
+                    moe["dispatch"] = 4 * rows * h * itemsize
+                    moe["expert_ffn"] = 4 * rows * model.expert_ffn * itemsize
+                    formulas = {**formulas, "dispatch": MEMORY_FORMULAS["moe.dispatch_gpu"],
+                                "expert_ffn": MEMORY_FORMULAS["moe.expert_ffn_gpu"]}
             terms += [(f"moe.{key}", value, "layer/ffn", formulas[key])
                       for key, value in moe.items()]
             if platform == "gpu" and _unrolled(config, knobs):
