@@ -354,6 +354,14 @@ class OptimizerConfig:
     """beta: parameters per streamed bucket (offloaded optimizer)."""
     slots: int = 2
     """s: buckets staged on the device at once (offloaded optimizer)."""
+    resident_groups: int = 0
+    """How many of the streamed optimizer's first groups keep their fp32 master and moments in
+    device memory instead of the host (offloaded optimizer): 1 is the weights outside the MoE
+    stack (embedding, dense layers, final norm, head), each further one the next MoE layer, up
+    to 1 + the MoE layers. Each resident group costs 12 bytes a parameter of device memory and
+    saves 24 bytes a parameter of host-link traffic a step; the first groups are the ones whose
+    copies have no forward to hide under (updated before the first layer, or inside the first
+    layers' forward). The numbers are the same bit for bit."""
     update_on: Literal["device", "host_cpu"] = "device"
     """Where the standard stack's AdamW (``operators.optimizer_offload: false``) keeps its state
     and runs its update: ``device``, optax on the device inside the step, the fp32 master and
@@ -665,6 +673,16 @@ def check_config(config: Config) -> Config:
         raise ConfigError(f"optimizer.update_on: host_cpu runs in one process (its host state "
                           f"is one process's), got mesh.num_processes = "
                           f"{config.mesh.num_processes}")
+    num_groups = 1 + m.num_layers - m.num_dense_layers
+    if not 0 <= opt.resident_groups <= num_groups:
+        raise ConfigError(f"optimizer.resident_groups: expected an integer from 0 to "
+                          f"{num_groups} (the weights outside the MoE stack, then each of its "
+                          f"{num_groups - 1} layers), got {opt.resident_groups}")
+    if opt.resident_groups and (o.optimizer_offload is False or opt.update_on == "host_cpu"):
+        raise ConfigError(f"optimizer.resident_groups: keeps part of the streamed optimizer's "
+                          f"state on the device, but the optimizer is not streamed "
+                          f"(operators.optimizer_offload: {o.optimizer_offload}, "
+                          f"optimizer.update_on: {opt.update_on}); set it to 0")
     if opt.max_grad_norm is not None and opt.max_grad_norm <= 0:
         raise ConfigError(f"optimizer.max_grad_norm: expected null or a positive number, got "
                           f"{opt.max_grad_norm}")

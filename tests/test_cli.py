@@ -56,6 +56,9 @@ def assert_one_line_naming(status: int, err: str, *names: str) -> None:
     (["optimizer.update_on=host_cpu"], "operators.optimizer_offload: true"),
     (["optimizer.update_on=host_cpu", "operators.optimizer_offload=false",
       "mesh.num_processes=2"], "mesh.num_processes"),             # one process only
+    (["optimizer.resident_groups=9"], "optimizer.resident_groups"),  # tiny has 1 + 4 groups
+    (["optimizer.resident_groups=1", "operators.optimizer_offload=false"],
+     "optimizer.resident_groups"),                                # nothing is streamed
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_bad_train_input_is_one_line_and_status_2(capsys, tmp_path, argv, key):
     status, _, err = run_main(capsys, "train", "tiny", *SMALL, *argv, "--run-dir",

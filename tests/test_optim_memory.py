@@ -77,8 +77,16 @@ def test_offload_stream_terms_bound_the_cpu_plan(transformation, state_bytes_per
 
 def test_offload_adamw_terms_formulas():
     terms = offload_adamw.offload_stream_adamw_memory_terms(1_000, 300, 2, jnp.bfloat16)
-    assert terms == {"staging": 2 * 300 * 16, "staging_gpu_excess": 300 * 8,
-                     "working_params": 2_000, "grads": 2_000}
+    assert terms == {"resident_state": 0, "staging": 2 * 300 * 16,
+                     "staging_gpu_excess": 300 * 8, "working_params": 2_000, "grads": 2_000}
+    resident = offload_adamw.offload_stream_adamw_memory_terms(1_000, 300, 2, jnp.bfloat16,
+                                                               resident_params=400)
+    assert resident == {**terms, "resident_state": 400 * 12}
+    assert offload_adamw.offload_stream_adamw_host_bytes(1_000, 400) == 600 * 12
+    assert offload_adamw.offload_stream_adamw_link_bytes(1_000, 400) == 600 * 24
+    with pytest.raises(ValueError, match="resident_params"):
+        offload_adamw.offload_stream_adamw_memory_terms(100, 10, 1, jnp.float32,
+                                                        resident_params=101)
     # Fewer buckets than slots: only the buckets there are are staged.
     small = offload_adamw.offload_stream_adamw_memory_terms(100, 300, 2, jnp.float32)
     assert small["staging"] == 100 * 16 and small["staging_gpu_excess"] == 100 * 8

@@ -7,12 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import iter_jaxprs
 from conftest import make_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_offload_adamw import assert_tree_close, copy_dependencies, step_scale
 
 from peakflat_jax.optim.offload_stream import offload_stream
+
+MemorySpace = jax.memory.Space
 
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 6)
 
@@ -329,3 +332,116 @@ def test_the_slot_chain_runs_across_layer_groups(rng):
     for b in range(len(copy_ins)):
         waited = {i for i, w in enumerate(write_backs) if id(w) in waits[b]}
         assert waited == set(range(b - 2, -1, -2)), (b, waited)
+
+
+# -- resident groups: the first groups' state kept in device memory --------------------------------
+
+
+def link_bytes(jaxpr):
+    """Bytes the step's jaxpr copies between host and device memory (every device_put from one
+    memory space to the other, in any of its jaxprs: each operand's global bytes)."""
+    total = 0
+    for inner in iter_jaxprs(jaxpr):
+        for eqn in inner.eqns:
+            if eqn.primitive.name != "device_put":
+                continue
+            for source, target in zip(eqn.invars, eqn.outvars):
+                if {source.aval.memory_space, target.aval.memory_space} == {
+                        MemorySpace.Host, MemorySpace.Device}:
+                    total += source.aval.size * source.aval.dtype.itemsize
+    return total
+
+
+@pytest.mark.parametrize("mesh_axes", [None, (("data", 2), ("model", 4))])
+@pytest.mark.parametrize("resident", [1, 2, 3])
+def test_resident_groups_change_no_bit_and_move_only_the_streamed_bytes(rng, mesh_axes,
+                                                                        resident):
+    """Keeping the first groups' state on the device: the same masters, moments and working
+    params bit for bit as streaming all of it, over three steps, by the whole step and group by
+    group (written back as updated and after every group); the resident buckets in device
+    memory after each; and the step's program copies 2 (4 + S) (P - P_r) bytes, the streamed
+    buckets' master and state each way, against the formula's count of the layout's buckets."""
+    from peakflat_jax.optim.offload_stream import offload_stream_link_bytes
+
+    params = make_params(rng) if mesh_axes is None else sharded_params(rng, make_mesh(*mesh_axes))
+    opt = offload_stream(TRANSFORMATIONS["adamw"](), bucket_params=30, max_grad_norm=1.0)
+    grads = [random_grads(rng, params) for _ in range(3)]
+    streamed = opt.init(params, stacked_layers=STACKED)
+    for g in grads:
+        streamed_params, streamed = opt.step(g, streamed)
+
+    state = opt.init(params, stacked_layers=STACKED, resident_groups=resident)
+    layout = state.layout
+    kinds = layout.memory_kinds()
+    assert kinds.count("device") == sum(len(g.bucket_sizes) for g in layout.groups[:resident])
+    assert [a.sharding.memory_kind for a in state.master] == list(kinds)
+    devices = layout.placement.num_devices
+    per_device = link_bytes(jax.make_jaxpr(opt.step)(grads[0], state).jaxpr) // devices
+    assert per_device == offload_stream_link_bytes(
+        sum(layout.bucket_sizes), opt.state_bytes_per_param, layout.resident_params())
+    assert layout.resident_params() == sum(sum(g.bucket_sizes) for g in layout.groups[:resident])
+    for g in grads:
+        new_params, state = opt.step(g, state)
+    assert [a.sharding.memory_kind for a in state.master] == list(kinds)
+    assert_tree_close(new_params, streamed_params, rtol=0)
+    assert_tree_close(opt.master_params(state), opt.master_params(streamed), rtol=0)
+    assert_tree_close(state.streamed, streamed.streamed, rtol=0)
+
+    for write_back in (True, False):
+        state = opt.init(params, stacked_layers=STACKED, resident_groups=resident)
+        in_one = jax.jit(lambda g, s, w=write_back: grouped_step(opt, g, s, w),
+                         out_shardings=(None, opt.state_shardings(state)))
+        for g in grads:
+            leaves, state = in_one(g, state)
+        assert [a.sharding.memory_kind for a in state.master] == list(kinds)
+        assert_tree_close(jax.tree.unflatten(layout.treedef, leaves), streamed_params, rtol=0)
+        assert_tree_close(opt.master_params(state), opt.master_params(streamed), rtol=0)
+
+
+def test_the_resident_groups_stay_out_of_the_slot_chain(rng):
+    """The streamed buckets wait for the write-back ``slots`` streamed buckets before (the
+    resident ones have none to wait for or to be waited on)."""
+    params = make_params(rng)
+    opt = offload_stream(optax.lion(1e-3), bucket_params=30, slots=2)
+    state = opt.init(params, stacked_layers=STACKED, resident_groups=1)
+    copy_ins, write_backs, waits = copy_dependencies(
+        jax.make_jaxpr(opt.step)(random_grads(rng, params), state).jaxpr)
+    # 97 unstacked -> 4 resident buckets; the two layers, 72 each -> 3 streamed buckets each.
+    assert len(copy_ins) == len(write_backs) == 6
+    for b in range(len(copy_ins)):
+        waited = {i for i, w in enumerate(write_backs) if id(w) in waits[b]}
+        assert waited == set(range(b - 2, -1, -2)), (b, waited)
+
+
+def test_a_state_restores_into_another_residency(rng, tmp_path):
+    """A checkpoint of a streamed state restores into a target with resident groups (and back)
+    with every value equal, the resident buckets landing in device memory: the layout's
+    metadata leaves residency out."""
+    import orbax.checkpoint as ocp
+
+    params = make_params(rng)
+    opt = offload_stream(TRANSFORMATIONS["adamw"](), bucket_params=30)
+    state = opt.init(params, stacked_layers=STACKED)
+    for _ in range(2):
+        _, state = opt.step(random_grads(rng, params), state)
+    saved = state
+    for name, resident in (("streamed_to_resident", 2), ("resident_to_streamed", 0)):
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(tmp_path / name, saved)
+        target = opt.abstract_state(params, stacked_layers=STACKED, resident_groups=resident)
+        opt.check_metadata(target, opt.state_metadata(saved))
+        with ocp.StandardCheckpointer() as checkpointer:
+            restored = checkpointer.restore(tmp_path / name, target)
+        assert [a.sharding.memory_kind for a in restored.master] == list(
+            target.layout.memory_kinds())
+        assert_tree_close(opt.master_params(restored), opt.master_params(state), rtol=0)
+        assert_tree_close(restored.streamed, state.streamed, rtol=0)
+        saved = restored
+
+
+@pytest.mark.parametrize("resident", [-1, 4, 1.0, True])
+def test_a_residency_past_the_groups_is_refused(rng, resident):
+    with pytest.raises(ValueError, match=r"resident_groups: expected an int from 0 to the "
+                                         r"layout's 3 groups"):
+        offload_stream(optax.sgd(1e-3)).init(make_params(rng), stacked_layers=STACKED,
+                                             resident_groups=resident)

@@ -87,6 +87,9 @@ def test_terms_are_the_operators_own():
     weights = pl.model_weights(config.model, 8)
     step = offload_adamw.offload_stream_adamw_memory_terms(weights.param_count, 20000, 2,
                                                            jnp.float32)
+    # The resident groups' state (none here) lives as long as the weights: a persistent term.
+    assert terms["optimizer.resident_state"].bytes == step.pop("resident_state") == 0
+    assert terms["optimizer.resident_state"].live == "persistent"
     assert {k: terms[f"optimizer_step.{k}"].bytes for k in step} == step
     assert terms["host.optimizer_state"].bytes == 12 * weights.param_count
     # offload: all (tiny.yaml): every boundary in host memory; in the backward of the MoE layer
@@ -530,7 +533,7 @@ def test_table_names_every_term_and_the_verdict():
     assert "fits" in out
 
 
-def test_check_plan_refuses_with_the_table_and_what_to_change():
+def test_check_plan_refuses_with_the_table_and_what_to_change(monkeypatch):
     config = small("operators.offload=none", "operators.optimizer_offload=false")
     with pytest.raises(pl.DoesNotFit) as refused:
         pl.check_plan(config, mop.make_mesh(config.mesh), device_memory=1 * MIB)
@@ -546,8 +549,14 @@ def test_check_plan_refuses_with_the_table_and_what_to_change():
     plan = pl.check_plan(config, 8, device_memory=64 * MIB)
     assert plan.feasible and plan.knobs.token_budget == 16
     # A CPU does not say its devices' memory: they live in the host's, each holds its share.
+    # (The host's reading held still: MemAvailable moves with every other process, a test
+    # worker's among them.)
+    from peakflat_jax.plan import machine
+
+    reading = machine.read_host_memory()
+    monkeypatch.setattr(machine, "read_host_memory", lambda: reading)
     on_cpu = pl.check_plan(config, jax.devices())
-    assert on_cpu.feasible and on_cpu.device_memory == pl.read_host_memory()
+    assert on_cpu.feasible and on_cpu.device_memory == reading
     # train.host_memory_gib stands in for the host's reading (a VM may report less than it
     # holds): here held to 1 MiB, the CPU devices' share of it is too small.
     held = small("operators.offload=none", "operators.optimizer_offload=false",
@@ -605,3 +614,39 @@ def test_bad_sizes_in_the_config_are_named():
         pl.make_plan(small(), -1, platform="cpu")
     with pytest.raises(pl.PlanError, match="device_memory"):
         pl.make_plan(small(), 8, platform="cpu", device_memory=-5)
+
+
+@pytest.mark.parametrize("resident", [1, 3, 8])
+def test_the_resident_state_is_the_layout_s(resident):
+    """``optimizer.resident_groups``: the plan's device term for the resident state and its
+    host term for the streamed one are the bytes of the state the trainer makes (its abstract
+    state on h200-1's one device: the arrays in device memory, those in pinned_host), and the
+    step's estimate drops by the resident share of the streamed optimizer's time."""
+    from peakflat_jax.model.sharding import abstract_model
+    from peakflat_jax.plan.rates import step_seconds
+    from peakflat_jax.train.optimizer import make_offloaded
+    from peakflat_jax.train.trainer import moe_stack_mask, split_model_state
+
+    overrides = ["operators.optimizer_offload=true", "mesh.seq=1"]
+    config = load_config("h200-1", overrides + [f"optimizer.resident_groups={resident}"])
+    mesh = mop.make_mesh(config.mesh, devices=jax.devices()[:1])
+    params, _ = split_model_state(abstract_model(config.model, mesh)[1])
+    state = make_offloaded(config.optimizer).abstract_state(
+        params, stacked_layers=moe_stack_mask(params), resident_groups=resident)
+    held = {"device": 0, "pinned_host": 0}
+    for array in jax.tree.leaves((state.master, state.streamed)):
+        held[array.sharding.memory_kind] += array.size * array.dtype.itemsize
+    plan = pl.make_plan(config, 1, platform="gpu", baseline=False, search_context=False)
+    named = {t.name: t.bytes for t in plan.terms}
+    assert named["optimizer.resident_state"] == held["device"] > 0
+    assert named["host.optimizer_state"] == held["pinned_host"]
+    assert (held["pinned_host"] == 0) == (resident == 8)
+    # Not overlapped (nothing of the stream hidden), the estimate is the streamed share's.
+    estimates = [step_seconds(c, pl.make_plan(c, 1, platform="gpu", baseline=False,
+                                              search_context=False).knobs)
+                 for c in (load_config("h200-1", overrides + [
+                     "operators.optimizer_overlap=false", f"optimizer.resident_groups={groups}"])
+                     for groups in (0, resident))]
+    every = pl.model_weights(config.model, 1).param_count * pl.Rates().optimizer_seconds_per_param
+    share = held["device"] / (held["device"] + held["pinned_host"])
+    assert estimates[0] - estimates[1] == pytest.approx(share * every, rel=1e-9)

@@ -7,6 +7,9 @@ group, the leaves in tree order. With it, the leaves marked stacked carry a lead
 ``L``: the unmarked leaves form the first group, then layer l's slices of the stacked leaves form
 group 1 + l, in layer order, so that one layer's state can be updated on its own.
 
+The first ``resident_groups`` groups keep their state in device memory (resident); the others'
+lives in host memory (pinned_host) and is streamed through the device by the step.
+
 A bucket of the state is one global array of ``num_devices * bucket_size`` elements split over
 every mesh axis: a piece per device, each device's piece cut from its own shards.
 
@@ -159,10 +162,12 @@ class Layout:
     placement: Placement
     groups: tuple[Group, ...]
     state_split: StateSplit
+    resident_groups: int = 0
+    """How many of the first groups keep their state in device memory (the rest: pinned_host)."""
 
     @classmethod
     def of(cls, params, bucket_params: int, state_split: StateSplit,
-           stacked_layers=None) -> Layout:
+           stacked_layers=None, resident_groups: int = 0) -> Layout:
         leaves, treedef = jax.tree.flatten(params)
         if not any(math.prod(leaf.shape) for leaf in leaves):
             raise ValueError("params: expected at least one non-empty array")
@@ -182,13 +187,31 @@ class Layout:
                 bucket_params)
             groups.append(group)
             first_bucket += len(group.bucket_sizes)
+        if (isinstance(resident_groups, bool) or not isinstance(resident_groups, int)
+                or not 0 <= resident_groups <= len(groups)):
+            raise ValueError(f"resident_groups: expected an int from 0 to the layout's "
+                             f"{len(groups)} groups, got {resident_groups!r}")
         return cls(treedef, tuple(tuple(leaf.shape) for leaf in leaves),
                    tuple(jnp.dtype(leaf.dtype) for leaf in leaves), placement, tuple(groups),
-                   state_split)
+                   state_split, resident_groups)
 
     @property
     def bucket_sizes(self) -> tuple[int, ...]:
         return tuple(n for group in self.groups for n in group.bucket_sizes)
+
+    def resident(self, group: int) -> bool:
+        """Whether group ``group``'s state lives in device memory (not streamed)."""
+        return group < self.resident_groups
+
+    def memory_kinds(self) -> tuple[str, ...]:
+        """Per bucket, the memory kind its state lives in: ``device`` (resident) or
+        ``pinned_host``."""
+        return tuple("device" if self.resident(index) else "pinned_host"
+                     for index, group in enumerate(self.groups) for _ in group.bucket_sizes)
+
+    def resident_params(self) -> int:
+        """Parameters per device whose state is resident."""
+        return sum(sum(g.bucket_sizes) for g in self.groups[:self.resident_groups])
 
     def layer_group(self, layer: int) -> int:
         """The index of the group of layer ``layer``'s slices (``stacked_layers`` layouts)."""
@@ -228,7 +251,8 @@ class Layout:
 
     def describe(self) -> dict:
         """What a checkpoint must match to be restored here (JSON): the buckets and groups, the
-        mesh positions and shards whose pieces they hold, and the transformation's state."""
+        mesh positions and shards whose pieces they hold, and the transformation's state. Not
+        which groups are resident: the same values restore into device or host memory."""
         mesh = self.placement.mesh
         split = self.state_split
         return {"bucket_sizes": list(self.bucket_sizes),
@@ -246,8 +270,9 @@ class Layout:
 
     def __repr__(self) -> str:  # the state's treedef prints it: keep it to a line
         sizes = self.bucket_sizes
+        resident = f", {self.resident_groups} resident" if self.resident_groups else ""
         return (f"Layout({len(sizes)} buckets of {list(sizes[:4])}"
-                f"{'...' if len(sizes) > 4 else ''} in {len(self.groups)} groups over "
+                f"{'...' if len(sizes) > 4 else ''} in {len(self.groups)} groups{resident} over "
                 f"{len(self.shapes)} leaves, mesh {dict(self.placement.mesh.shape)})")
 
 

@@ -35,6 +35,7 @@ from peakflat_jax._validate import as_int
 from peakflat_jax.optim.offload_stream import (
     OffloadStream,
     offload_stream_host_bytes,
+    offload_stream_link_bytes,
     offload_stream_memory_terms,
 )
 
@@ -43,6 +44,8 @@ Schedule = Callable[[jax.Array], jax.Array]
 ADAMW_STATE_BYTES_PER_PARAM = 8  # fp32 mu and nu
 
 MEMORY_FORMULAS = {
+    "resident_state": "P_r * 12  (the resident groups' fp32 master, mu and nu, in device memory "
+                      "for the state's lifetime; P_r: their parameters per device)",
     "staging": "min(s, num_buckets) * min(beta, P) * 16  (fp32 master, mu, nu and grad of each "
                "staged bucket: what the slot chain bounds)",
     "staging_gpu_excess": "min(beta, P) * 8  (what XLA's GPU plan of the step held beyond the "
@@ -53,16 +56,25 @@ MEMORY_FORMULAS = {
 
 
 def offload_stream_adamw_memory_terms(num_params_per_device: int, bucket_params: int,
-                                      slots: int, param_dtype) -> dict[str, int]:
+                                      slots: int, param_dtype,
+                                      resident_params: int = 0) -> dict[str, int]:
     """Per-device bytes of each term of the step's device bound (``MEMORY_FORMULAS``); see
     ``offload_stream_memory_terms``."""
     return offload_stream_memory_terms(num_params_per_device, bucket_params, slots, param_dtype,
-                                       ADAMW_STATE_BYTES_PER_PARAM)
+                                       ADAMW_STATE_BYTES_PER_PARAM, resident_params)
 
 
-def offload_stream_adamw_host_bytes(num_params_per_device: int) -> int:
-    """Per-device host bytes of the state: fp32 master, mu and nu, 12 * P."""
-    return offload_stream_host_bytes(num_params_per_device, ADAMW_STATE_BYTES_PER_PARAM)
+def offload_stream_adamw_host_bytes(num_params_per_device: int, resident_params: int = 0) -> int:
+    """Per-device host bytes of the state: fp32 master, mu and nu of the streamed groups,
+    12 * (P - P_r)."""
+    return offload_stream_host_bytes(num_params_per_device, ADAMW_STATE_BYTES_PER_PARAM,
+                                     resident_params)
+
+
+def offload_stream_adamw_link_bytes(num_params_per_device: int, resident_params: int = 0) -> int:
+    """Per-device bytes a step moves over the host link: 24 * (P - P_r)."""
+    return offload_stream_link_bytes(num_params_per_device, ADAMW_STATE_BYTES_PER_PARAM,
+                                     resident_params)
 
 
 def offload_stream_adamw(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999,

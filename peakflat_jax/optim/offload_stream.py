@@ -68,6 +68,16 @@ device, outside the slot chain, for ``opt.write_back(group, after=x)`` to copy b
 exists: the trainer passes the forward's loss, so that half of the link's bytes (the copies
 back) run under the backward, for (4 + S) * P bytes of device memory until then.
 
+Resident groups. ``init(params, stacked_layers=mask, resident_groups=k)`` keeps the state of
+the layout's first k groups (the unmarked leaves, then layers 0, 1, ...) in device memory:
+their buckets are updated where they are, with no copy either way and outside the slot chain.
+What that buys is link time where nothing hides it: a trainer that updates each layer inside
+the next forward has no compute to put the first groups' copies under (the unmarked leaves are
+needed before the first layer). It costs (4 + S) * P_r bytes of device memory for as long as
+the state lives (P_r: ``layout.resident_params()``) and saves 2 (4 + S) P_r bytes of link
+traffic a step; the numbers are the same bit for bit, and a checkpoint restores into any
+residency (``describe`` leaves it out).
+
 On CPU the memory kinds exist but the copies lower to nothing: tests check the numbers, XLA's
 plan and the slot chain, not the transfers.
 
@@ -96,6 +106,8 @@ from peakflat_jax.optim._bucket_layout import Group, Layout
 from peakflat_jax.optim._elementwise import split_state
 
 MEMORY_FORMULAS = {
+    "resident_state": "P_r * (4 + S)  (the resident groups' fp32 master and per-parameter state, "
+                      "in device memory for the state's lifetime; P_r: layout.resident_params)",
     "staging": "min(s, num_buckets) * min(beta, P) * (8 + S)  (fp32 master and grad and the "
                "per-parameter state of each staged bucket: what the slot chain bounds)",
     "staging_gpu_excess": "min(beta, P) * 8  (what XLA's GPU plan of the AdamW step held "
@@ -106,11 +118,13 @@ MEMORY_FORMULAS = {
 
 
 def offload_stream_memory_terms(num_params_per_device: int, bucket_params: int, slots: int,
-                                param_dtype, state_bytes_per_param: int) -> dict[str, int]:
+                                param_dtype, state_bytes_per_param: int,
+                                resident_params: int = 0) -> dict[str, int]:
     """Per-device bytes of each term of the step's device bound (``MEMORY_FORMULAS``).
 
-    ``staging`` and ``staging_gpu_excess`` are the optimizer's own (the step's XLA
-    temporaries); ``working_params`` and ``grads`` are the trainer's arrays that the step writes
+    ``resident_state`` is the resident groups' state (``resident_params``: P_r, their
+    parameters per device); ``staging`` and ``staging_gpu_excess`` are the step's XLA
+    temporaries; ``working_params`` and ``grads`` are the trainer's arrays that the step writes
     and reads, listed so that a planner adding up the optimizer's device memory needs nothing
     else. ``state_bytes_per_param``: ``opt.state_bytes_per_param``."""
     for name, value in (("num_params_per_device", num_params_per_device),
@@ -120,20 +134,37 @@ def offload_stream_memory_terms(num_params_per_device: int, bucket_params: int, 
     if as_int("state_bytes_per_param", state_bytes_per_param) < 0:
         raise ValueError(f"state_bytes_per_param: expected a non-negative int, got "
                          f"{state_bytes_per_param!r}")
+    if not 0 <= as_int("resident_params", resident_params) <= num_params_per_device:
+        raise ValueError(f"resident_params: expected an int from 0 to num_params_per_device "
+                         f"({num_params_per_device}), got {resident_params!r}")
     bucket = min(bucket_params, num_params_per_device)
     num_buckets = -(-num_params_per_device // bucket)
     itemsize = jnp.dtype(param_dtype).itemsize
-    return {"staging": min(slots, num_buckets) * bucket * (8 + state_bytes_per_param),
+    return {"resident_state": resident_params * (4 + state_bytes_per_param),
+            "staging": min(slots, num_buckets) * bucket * (8 + state_bytes_per_param),
             "staging_gpu_excess": bucket * 8,
             "working_params": num_params_per_device * itemsize,
             "grads": num_params_per_device * itemsize}
 
 
-def offload_stream_host_bytes(num_params_per_device: int, state_bytes_per_param: int) -> int:
-    """Per-device host bytes of the state: the fp32 master and the per-parameter state,
-    (4 + S) * P."""
-    return (4 + as_int("state_bytes_per_param", state_bytes_per_param)) * as_int(
-        "num_params_per_device", num_params_per_device)
+def offload_stream_host_bytes(num_params_per_device: int, state_bytes_per_param: int,
+                              resident_params: int = 0) -> int:
+    """Per-device host bytes of the state: the fp32 master and the per-parameter state of the
+    streamed groups, (4 + S) * (P - P_r)."""
+    streamed = as_int("num_params_per_device", num_params_per_device) - as_int(
+        "resident_params", resident_params)
+    if streamed < 0:
+        raise ValueError(f"resident_params: expected at most num_params_per_device "
+                         f"({num_params_per_device}), got {resident_params!r}")
+    return (4 + as_int("state_bytes_per_param", state_bytes_per_param)) * streamed
+
+
+def offload_stream_link_bytes(num_params_per_device: int, state_bytes_per_param: int,
+                              resident_params: int = 0) -> int:
+    """Per-device bytes a step moves over the host link: every streamed bucket's fp32 master
+    and per-parameter state in and back, 2 (4 + S) (P - P_r)."""
+    return 2 * offload_stream_host_bytes(num_params_per_device, state_bytes_per_param,
+                                         resident_params)
 
 
 # -- the optimizer --------------------------------------------------------------------------------
@@ -180,7 +211,7 @@ class OffloadStream:
 
     # -- state ----------------------------------------------------------------------------------
 
-    def init(self, params, stacked_layers=None) -> OffloadStreamState:
+    def init(self, params, stacked_layers=None, resident_groups: int = 0) -> OffloadStreamState:
         """fp32 master copies of ``params`` and the transformation's initial state, the
         per-parameter part in host memory; the state carries its layout.
 
@@ -188,8 +219,9 @@ class OffloadStream:
         keeps the state of its own shards. ``stacked_layers``: a pytree of bools with the
         params' structure, or a prefix of it, marking leaves whose leading axis is the layer
         axis (the same size L for all, not sharded); their layer slices get buckets of their
-        own, a group per layer."""
-        layout = self._layout(params, stacked_layers)
+        own, a group per layer. ``resident_groups``: how many of the first groups keep their
+        state in device memory instead (module doc)."""
+        layout = self._layout(params, stacked_layers, resident_groups)
         placement, flat = layout.placement, layout.placement.flat_spec
         num_streamed = len(layout.state_split.per_param_dtypes)
 
@@ -216,11 +248,13 @@ class OffloadStream:
         return jax.jit(initial_state, out_shardings=_state_shardings(layout))(
             jax.tree.leaves(params))
 
-    def abstract_state(self, params, stacked_layers=None) -> OffloadStreamState:
-        """The state ``init(params, stacked_layers)`` would make, as ShapeDtypeStructs with
-        their shardings (pinned_host for the buckets), allocating nothing: a checkpoint restore
-        target. ``params`` may be arrays or ShapeDtypeStructs with shardings."""
-        layout = self._layout(params, stacked_layers)
+    def abstract_state(self, params, stacked_layers=None,
+                       resident_groups: int = 0) -> OffloadStreamState:
+        """The state ``init(params, stacked_layers, resident_groups)`` would make, as
+        ShapeDtypeStructs with their shardings (pinned_host for the streamed buckets, device
+        for the resident ones), allocating nothing: a checkpoint restore target. ``params`` may
+        be arrays or ShapeDtypeStructs with shardings."""
+        layout = self._layout(params, stacked_layers, resident_groups)
         shardings = _state_shardings(layout)
         split = layout.state_split
         master = tuple(jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
@@ -350,7 +384,9 @@ class OffloadStream:
         """A GroupState that ``update_group(..., write_back=False)`` left on the device, copied
         to its host buckets (traceable). ``after``: any arrays the copies must wait for (an
         optimization barrier): the trainer passes the forward's loss, so that the copies run
-        under the backward."""
+        under the backward. A resident group's state stays where it is."""
+        if group_state.layout.resident(group_state.index):
+            return group_state
         arrays = (group_state.master, group_state.streamed)
         if after is not None:
             arrays, _ = lax.optimization_barrier((arrays, after))
@@ -415,12 +451,16 @@ class OffloadStream:
                                      for new, old in zip(new_streamed, streamed))
             return new_master, new_streamed, group.pieces(new_master, b)
 
+        # A resident group's buckets are in device memory already: no copies, no slot chain.
+        streamed_group = not layout.resident(group_state.index)
         chain, pieces_per_bucket, masters, streamed_per_bucket = list(chain), [], [], []
         for b in range(len(group.bucket_sizes)):
-            host_in = (group_state.master[b], group_state.streamed[b])
-            if write_back and len(chain) >= self.slots:  # wait for the bucket `slots` back
-                host_in, _ = lax.optimization_barrier((host_in, chain[-self.slots]))
-            master, streamed = jax.device_put(host_in, jax.memory.Space.Device)
+            master, streamed = group_state.master[b], group_state.streamed[b]
+            if streamed_group:
+                host_in = (master, streamed)
+                if write_back and len(chain) >= self.slots:  # wait for the bucket `slots` back
+                    host_in, _ = lax.optimization_barrier((host_in, chain[-self.slots]))
+                master, streamed = jax.device_put(host_in, jax.memory.Space.Device)
             if after is not None:  # the update waits for `after`, its copies do not
                 (master, streamed), _ = lax.optimization_barrier(((master, streamed), after))
             local = placement.local(
@@ -430,9 +470,10 @@ class OffloadStream:
                 out_specs=(flat, (flat,) * num_streamed, (flat,) * len(group.buckets[b])))
             master, streamed, pieces = local(list(grad_leaves), master, streamed, scalars.shared,
                                              *extras)
-            written = (jax.device_put((master, streamed), jax.memory.Space.Host) if write_back
-                       else (master, streamed))
-            chain.append((written, pieces))
+            written = (jax.device_put((master, streamed), jax.memory.Space.Host)
+                       if write_back and streamed_group else (master, streamed))
+            if streamed_group:
+                chain.append((written, pieces))
             masters.append(written[0])
             streamed_per_bucket.append(written[1])
             pieces_per_bucket.append(pieces)
@@ -474,8 +515,9 @@ class OffloadStream:
                 out_shardings=(on_device, state_shardings))
         return self._jitted_steps[layout]
 
-    def _layout(self, params, stacked_layers) -> Layout:
-        return Layout.of(params, self.bucket_params, self.state_split, stacked_layers)
+    def _layout(self, params, stacked_layers, resident_groups: int = 0) -> Layout:
+        return Layout.of(params, self.bucket_params, self.state_split, stacked_layers,
+                         resident_groups)
 
     def _grad_leaves(self, grads, state: OffloadStreamState) -> list[jax.Array]:
         """The grads' leaves, checked against the state's layout and placed like the params."""
@@ -565,12 +607,11 @@ class StepScalars:
 
 
 def _state_shardings(layout: Layout) -> OffloadStreamState:
-    """The state's shardings: the buckets in host memory, the shared state replicated on
-    device."""
+    """The state's shardings: the streamed buckets in host memory, the resident ones and the
+    shared state on the device (the shared state replicated)."""
     placement = layout.placement
-    host = placement.state_sharding("pinned_host")
-    num_buckets = len(layout.bucket_sizes)
+    buckets = tuple(placement.state_sharding(kind) for kind in layout.memory_kinds())
     num_streamed = len(layout.state_split.per_param_dtypes)
     num_shared = len(layout.state_split.per_param) - num_streamed
-    return OffloadStreamState((host,) * num_buckets, ((host,) * num_streamed,) * num_buckets,
+    return OffloadStreamState(buckets, tuple((s,) * num_streamed for s in buckets),
                               (placement.replicated(),) * num_shared, layout=layout)

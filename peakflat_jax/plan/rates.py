@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from peakflat_jax.config import Config
 from peakflat_jax.model.size import active_parameters_per_token
-from peakflat_jax.plan.terms import Knobs, model_weights
+from peakflat_jax.plan.terms import Knobs, model_weights, resident_param_count
 from peakflat_jax.train.data import causal_pairs_per_sequence
 
 # ----------------------------------------------------------------------------------------------
@@ -99,7 +99,10 @@ def step_seconds(config: Config, knobs: Knobs, rates: Rates = Rates()) -> float:
                                         + max(0.0, copy - 3 * per_layer / 4))
     optimizer = 0.0
     if knobs.optimizer_offload:
-        optimizer = model_weights(model, width).param_count * rates.optimizer_seconds_per_param
+        # The resident groups' state is updated where it is: only the rest crosses the link.
+        streamed = model_weights(model, width).param_count - resident_param_count(
+            model, width, config.optimizer.resident_groups)
+        optimizer = streamed * rates.optimizer_seconds_per_param
         # Overlapped with the unrolled stack, the stream runs under the forward (1/4 of the
         # compute); with the scanned one the stacked MoE weights wait for all their buckets,
         # and on an H200 the whole stream showed (h200-1: 2.96 s a step against 1.73 with

@@ -224,6 +224,8 @@ class WeightBytes:
     """Non-trained variables (the router's bias), bytes on a device."""
     layer_shard: dict
     """Per stack ('dense', 'moe'): one layer's slice of the device's shards, bytes."""
+    layer_params: dict
+    """Per stack: one layer's slice of the device's shards, trainable elements."""
     layer_whole_dense: dict
     """Per stack: one layer's non-expert weights, whole, bytes (what the layer gathers)."""
     embedding_whole: int
@@ -250,6 +252,7 @@ def model_weights(model_config, num_devices: int) -> WeightBytes:
               "moe": model_config.num_layers - model_config.num_dense_layers}
     count = param_bytes = embedding = largest = 0
     shard = {"dense": 0, "moe": 0}
+    shard_params = {"dense": 0, "moe": 0}
     whole = {"dense": 0, "moe": 0}
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         names = _names(path)
@@ -264,13 +267,28 @@ def model_weights(model_config, num_devices: int) -> WeightBytes:
         stack = stacks.get(names[0])
         if stack:
             shard[stack] += local * itemsize // layers[stack]
+            shard_params[stack] += local // layers[stack]
             if names[-2:-1] != ("moe",) or names[-1] not in ("w_gate", "w_up", "w_down"):
                 whole[stack] += math.prod(leaf.shape) * itemsize // layers[stack]
     extra_bytes = sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
                       for leaf in jax.tree.leaves(extras))
     return WeightBytes(param_count=count, params=param_bytes, extras=extra_bytes,
-                       layer_shard=shard, layer_whole_dense=whole, embedding_whole=embedding,
+                       layer_shard=shard, layer_params=shard_params, layer_whole_dense=whole,
+                       embedding_whole=embedding,
                        largest_leaf=largest)
+
+
+def resident_param_count(model_config, num_devices: int, resident_groups: int) -> int:
+    """P_r: the parameters per device whose streamed-optimizer state the first
+    ``resident_groups`` groups keep on the device (``optimizer.resident_groups``): the first
+    group is every weight outside the MoE stack, each further one a MoE layer."""
+    if not resident_groups:
+        return 0
+    weights = model_weights(model_config, num_devices)
+    per_layer = weights.layer_params["moe"]
+    outside = weights.param_count - (model_config.num_layers
+                                     - model_config.num_dense_layers) * per_layer
+    return outside + (resident_groups - 1) * per_layer
 
 
 def _shard_shape(shape, spec, num_devices: int) -> tuple[int, ...]:
@@ -390,8 +408,11 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
 
     # The optimizer.
     if knobs.optimizer_offload:
+        resident = resident_param_count(model, width, config.optimizer.resident_groups)
         step = offload_module.offload_stream_adamw_memory_terms(
-            weights.param_count, knobs.bucket_params, knobs.slots, model.dtype)
+            weights.param_count, knobs.bucket_params, knobs.slots, model.dtype, resident)
+        add("optimizer.resident_state", step.pop("resident_state"), "persistent",
+            offload_module.MEMORY_FORMULAS["resident_state"])
         add_all("optimizer_step.", step, "optimizer_step", offload_module.MEMORY_FORMULAS)
         add("optimizer_step.router_bias", 2 * weights.extras, "optimizer_step",
             MEMORY_FORMULAS["router_bias"])
@@ -400,16 +421,18 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
             add("optimizer_step.bucketed_params_gpu", weights.param_count * itemsize,
                 "optimizer_step")
         add("host.optimizer_state",
-            offload_module.offload_stream_adamw_host_bytes(weights.param_count), "host",
-            "12 * P: fp32 master, mu and nu (offload_stream_adamw_host_bytes)")
+            offload_module.offload_stream_adamw_host_bytes(weights.param_count, resident),
+            "host", "12 * (P - P_r): fp32 master, mu and nu of the streamed groups "
+            "(offload_stream_adamw_host_bytes)")
         if knobs.optimizer_overlap and config.operators.optimizer_writeback == "backward":
             bucket = min(knobs.bucket_params, weights.param_count)
             add("overlap.deferred_writeback",
-                offload_module.offload_stream_adamw_host_bytes(weights.param_count)
+                offload_module.offload_stream_adamw_host_bytes(weights.param_count, resident)
                 + 12 * bucket, "overlap",
-                "12 * P + 12 * min(beta, P): every bucket's new fp32 master, mu and nu, held on "
-                "the device from its update until the forward's loss (written back under the "
-                "backward), and one bucket's fp32 gradient and XLA:GPU's excess (not measured)")
+                "12 * (P - P_r) + 12 * min(beta, P): every streamed bucket's new fp32 master, "
+                "mu and nu, held on the device from its update until the forward's loss "
+                "(written back under the backward), and one bucket's fp32 gradient and "
+                "XLA:GPU's excess (not measured)")
         elif knobs.optimizer_overlap:
             # XLA:CPU updates the donated host buffers in place: nothing is staged there
             # (tests/test_optim_memory.py measured it).

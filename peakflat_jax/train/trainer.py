@@ -188,9 +188,10 @@ class Trainer:
             key = json.dumps(_structural_optimizer_fields(self.config), sort_keys=True)
             self.optimizer = _OPTIMIZERS.setdefault(key, make_offloaded(self.config.optimizer))
             # Each MoE layer's weights form their own buckets (layer groups), in both modes, so
-            # that overlapping changes no bit.
+            # that overlapping changes no bit; the first resident_groups stay on the device.
             make = self.optimizer.abstract_state if abstract else self.optimizer.init
-            opt_state = make(params, stacked_layers=moe_stack_mask(params))
+            opt_state = make(params, stacked_layers=moe_stack_mask(params),
+                             resident_groups=self.config.optimizer.resident_groups)
         elif self.host_cpu_optimizer:
             # One per structure in a process, as above: its compiled host update is reused.
             key = json.dumps({"update_on": "host_cpu",
@@ -752,6 +753,7 @@ def _structural_optimizer_fields(config: Config) -> dict:
     """The optimizer fields that shape its compiled programs (the rest are their inputs)."""
     optimizer = config.optimizer
     return {"bucket_params": optimizer.bucket_params, "slots": optimizer.slots,
+            "resident_groups": optimizer.resident_groups,
             "max_grad_norm": optimizer.max_grad_norm is not None and optimizer.max_grad_norm}
 
 
