@@ -87,9 +87,8 @@ def test_terms_are_the_operators_own():
     weights = pl.model_weights(config.model, 8)
     step = offload_adamw.offload_stream_adamw_memory_terms(weights.param_count, 20000, 2,
                                                            jnp.float32)
-    # The resident groups' state (none here) lives as long as the weights: a persistent term.
-    assert terms["optimizer.resident_state"].bytes == step.pop("resident_state") == 0
-    assert terms["optimizer.resident_state"].live == "persistent"
+    # No group resident (optimizer.resident_groups: 0): no term for it.
+    assert step.pop("resident_state") == 0 and "optimizer.resident_state" not in terms
     assert {k: terms[f"optimizer_step.{k}"].bytes for k in step} == step
     assert terms["host.optimizer_state"].bytes == 12 * weights.param_count
     # offload: all (tiny.yaml): every boundary in host memory; in the backward of the MoE layer
@@ -639,6 +638,8 @@ def test_the_resident_state_is_the_layout_s(resident):
     plan = pl.make_plan(config, 1, platform="gpu", baseline=False, search_context=False)
     named = {t.name: t.bytes for t in plan.terms}
     assert named["optimizer.resident_state"] == held["device"] > 0
+    assert next(t.live for t in plan.terms if t.name == "optimizer.resident_state") == (
+        "persistent")  # as long as the weights
     assert named["host.optimizer_state"] == held["pinned_host"]
     assert (held["pinned_host"] == 0) == (resident == 8)
     # Not overlapped (nothing of the stream hidden), the estimate is the streamed share's.

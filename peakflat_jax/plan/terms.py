@@ -411,8 +411,10 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
         resident = resident_param_count(model, width, config.optimizer.resident_groups)
         step = offload_module.offload_stream_adamw_memory_terms(
             weights.param_count, knobs.bucket_params, knobs.slots, model.dtype, resident)
-        add("optimizer.resident_state", step.pop("resident_state"), "persistent",
-            offload_module.MEMORY_FORMULAS["resident_state"])
+        if resident:
+            add("optimizer.resident_state", step["resident_state"], "persistent",
+                offload_module.MEMORY_FORMULAS["resident_state"])
+        del step["resident_state"]
         add_all("optimizer_step.", step, "optimizer_step", offload_module.MEMORY_FORMULAS)
         add("optimizer_step.router_bias", 2 * weights.extras, "optimizer_step",
             MEMORY_FORMULAS["router_bias"])
