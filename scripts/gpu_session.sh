@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The GPU runs of a session, as the stages of one detached driver on nvidia-h200 (~25 min),
-# most decisive first, each with its own limit; logs and records under $LOGS as they go.
+# The GPU runs of a session, as the stages of one detached driver on nvidia-h200 (~26 min as
+# estimated from earlier runs' walls, so the last stages may not run within a lease), most
+# decisive first, each with its own limit; logs and records under $LOGS as they go. The
+# trainer adds its own XLA flags to any XLA_FLAGS a stage sets (cli.prepare_environment).
 #
 #   cp ../shared/gpu/driver.sh .gpu/ && cp scripts/gpu_session.sh .gpu/stages.sh  (wheels: .whl/)
 #   call 1 (kind nvidia-h200, carry [".gpu", ".whl"], timeout_s 600):
@@ -61,7 +63,6 @@ ALL_OFF=(operators.moe_dispatch=ep operators.loss=materialized operators.offload
 ALL_ON=(operators.moe_dispatch=pipelined operators.loss=ring operators.offload=all
         operators.optimizer_offload=true)
 unbounded=(train.device_memory_gib=1000000 train.host_memory_gib=1000000)
-grow() { python3 -c "import sys; n = int(sys.argv[1]) * 11 // 10; print(n + n % 2)" "$1"; }  # 1.1x, even
 sixty4=(train.steps=5 train.profile_steps=2 "${nc[@]}")
 run base64k 200 "${train[@]}" h200-1 train.steps=5 "${nc[@]}" --run-dir /tmp/r1
 keep /tmp/r1 base64k
@@ -76,14 +77,16 @@ sample() { while sleep 1; do p=$(pgrep -f "^python3 -m peakflat_jax.cli train h2
   echo "$(date +%s) $(grep -h -E 'VmRSS|VmHWM' /proc/$p/status 2>/dev/null | tr -s ' ' | tr '\n' ' ') $(grep MemAvailable /proc/meminfo | tr -s ' ')"
   done > "$LOGS/e2e_8x_mem.log"; }
 sample & sampler=$!
-# auto's choice at 506,628 held (with the device check lifted auto would take one MoE chunk):
-# the MoE pipelined in chunks of its 56,292 rows (10 here), the ring loss, every boundary on the
-# device, the optimizer streamed; the overlapped step's buffer assignment dumped beside it.
+# auto's choice at 506,628 held (with the device check lifted auto would take one MoE chunk and
+# the unrolled stack): the MoE pipelined in chunks of its 56,292 rows (10 here), the ring loss,
+# every boundary on the device, the optimizer streamed, the scanned stack; the overlapped
+# step's buffer assignment dumped beside it.
 rm -rf /tmp/xla-dump-e2e
 XLA_FLAGS="--xla_dump_to=/tmp/xla-dump-e2e --xla_dump_hlo_as_text --xla_dump_hlo_module_re=overlapped" \
   run e2e_8x 620 "${train[@]}" h200-e2e data.seq_len=540672 operators.moe_dispatch=pipelined \
   operators.token_budget=56292 operators.loss=ring operators.offload=none \
-  operators.optimizer_offload=true train.steps=3 train.device_memory_gib=1000000 "${nc[@]}" \
+  operators.optimizer_offload=true operators.layer_loop=scan train.steps=3 \
+  train.device_memory_gib=1000000 "${nc[@]}" \
   --run-dir /tmp/r3
 kill $sampler
 keep /tmp/r3 e2e_8x
@@ -100,14 +103,21 @@ run pgle_profiled 200 "${train[@]}" "${bwd[@]}" "${sixty4[@]}" --run-dir /tmp/r4
 python3 -c "
 import glob, sys
 from jax.experimental.profiler import get_profiled_instructions_proto
-runs = sorted(glob.glob('/tmp/r4/profile/plugin/profile/*/'))
+runs = sorted(glob.glob('/tmp/r4/profile/plugins/profile/*/'))
+if not runs:
+    sys.exit('no trace under /tmp/r4/profile/plugins/profile/')
 proto = get_profiled_instructions_proto(runs[-1])
+if not proto:
+    sys.exit('the profile proto is empty')
 open('$LOGS/pgle_profile.pb', 'wb').write(proto)
-print('profile proto', len(proto), 'bytes from', runs[-1])" > "$LOGS/pgle_proto.log" 2>&1
+print('profile proto', len(proto), 'bytes from', runs[-1])" > "$LOGS/pgle_proto.log" 2>&1 \
+  && echo "=== pgle_proto ok" || echo "=== pgle_proto failed: $(tail -1 "$LOGS/pgle_proto.log")"
 keep /tmp/r4 pgle_profiled
-XLA_FLAGS="--xla_gpu_pgle_profile_file_or_directory_path=$LOGS/pgle_profile.pb" \
-  run pgle_used 200 "${train[@]}" "${bwd[@]}" "${sixty4[@]}" --run-dir /tmp/r4
-keep /tmp/r4 pgle_used
+if [ -s "$LOGS/pgle_profile.pb" ]; then
+  XLA_FLAGS="--xla_gpu_pgle_profile_file_or_directory_path=$LOGS/pgle_profile.pb" \
+    run pgle_used 200 "${train[@]}" "${bwd[@]}" "${sixty4[@]}" --run-dir /tmp/r4
+  keep /tmp/r4 pgle_used
+fi
 rm -rf /tmp/xla-dump
 XLA_FLAGS="--xla_dump_to=/tmp/xla-dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=overlapped" \
   run dump698k 200 "${plan[@]}" h200-1 data.seq_len=698002 "${ALL_ON[@]}" "${unbounded[@]}" --check

@@ -372,17 +372,27 @@ def test_resident_groups_change_no_bit_and_move_only_the_streamed_bytes(rng, mes
 
     state = opt.init(params, stacked_layers=STACKED, resident_groups=resident)
     layout = state.layout
-    kinds = layout.memory_kinds()
-    assert kinds.count("device") == sum(len(g.bucket_sizes) for g in layout.groups[:resident])
-    assert [a.sharding.memory_kind for a in state.master] == list(kinds)
+    # Per device, the groups' buckets and parameters (bucket_params 30): unstacked embed (96)
+    # and scale (1), then each layer's w (64) and b (8); on the 2 x 4 mesh, the shards: embed
+    # split over data (48), w over model (16), b and scale whole.
+    buckets, sizes = ([4, 3, 3], [97, 72, 72]) if mesh_axes is None else ([2, 1, 1],
+                                                                            [49, 24, 24])
+    kinds = ["device"] * sum(buckets[:resident]) + ["pinned_host"] * sum(buckets[resident:])
+    assert list(layout.memory_kinds()) == kinds
+    assert [a.sharding.memory_kind for a in state.master] == kinds
+    assert layout.resident_params() == sum(sizes[:resident])
     devices = layout.placement.num_devices
-    per_device = link_bytes(jax.make_jaxpr(opt.step)(grads[0], state).jaxpr) // devices
-    assert per_device == offload_stream_link_bytes(
-        sum(layout.bucket_sizes), opt.state_bytes_per_param, layout.resident_params())
-    assert layout.resident_params() == sum(sum(g.bucket_sizes) for g in layout.groups[:resident])
+    streamed_bytes = offload_stream_link_bytes(sum(sizes), opt.state_bytes_per_param,
+                                               sum(sizes[:resident]))
+    assert link_bytes(jax.make_jaxpr(opt.step)(grads[0], state).jaxpr) == (
+        devices * streamed_bytes)
+    for write_back in (True, False):  # group by group, also with every write-back deferred
+        jaxpr = jax.make_jaxpr(lambda g, s, w=write_back: grouped_step(opt, g, s, w))(
+            grads[0], state).jaxpr
+        assert link_bytes(jaxpr) == devices * streamed_bytes, write_back
     for g in grads:
         new_params, state = opt.step(g, state)
-    assert [a.sharding.memory_kind for a in state.master] == list(kinds)
+    assert [a.sharding.memory_kind for a in state.master] == kinds
     assert_tree_close(new_params, streamed_params, rtol=0)
     assert_tree_close(opt.master_params(state), opt.master_params(streamed), rtol=0)
     assert_tree_close(state.streamed, streamed.streamed, rtol=0)
@@ -393,7 +403,7 @@ def test_resident_groups_change_no_bit_and_move_only_the_streamed_bytes(rng, mes
                          out_shardings=(None, opt.state_shardings(state)))
         for g in grads:
             leaves, state = in_one(g, state)
-        assert [a.sharding.memory_kind for a in state.master] == list(kinds)
+        assert [a.sharding.memory_kind for a in state.master] == kinds
         assert_tree_close(jax.tree.unflatten(layout.treedef, leaves), streamed_params, rtol=0)
         assert_tree_close(opt.master_params(state), opt.master_params(streamed), rtol=0)
 

@@ -427,7 +427,7 @@ def test_the_standard_stack_s_largest_context_is_past_what_trained_and_within_wh
     assert _session4_run("plan_check_off_621208")["xla_plan_gib"] < 132.8
 
 
-def test_one_point_one_times_the_plan_s_largest_context_does_not_fit():
+def test_the_first_context_compiled_past_1_1x_of_the_plan_s_largest_does_not_fit():
     """The second half: past 1.1x of the largest (652,109) the step does not fit the device:
     the one context compiled past it, 665,580 (1.12x), XLA:GPU planned at 136.41 GiB of 132.8;
     within it, 621,208 (1.05x) fit (130.25 GiB). This was an expected failure while the

@@ -213,7 +213,8 @@ class OffloadStream:
 
     def init(self, params, stacked_layers=None, resident_groups: int = 0) -> OffloadStreamState:
         """fp32 master copies of ``params`` and the transformation's initial state, the
-        per-parameter part in host memory; the state carries its layout.
+        per-parameter part in host memory (device memory for the first ``resident_groups``
+        groups); the state carries its layout.
 
         ``params`` live on one device, or as NamedShardings on one mesh (FSDP); each device then
         keeps the state of its own shards. ``stacked_layers``: a pytree of bools with the
@@ -564,7 +565,8 @@ class OffloadStream:
 @dataclasses.dataclass(frozen=True)
 class OffloadStreamState:
     """Per bucket, the fp32 master and the transformation's per-parameter state leaves (host
-    memory); the transformation's shared state (device). The layout is static metadata (not a
+    memory; device memory for the layout's resident groups); the transformation's shared state
+    (device). The layout is static metadata (not a
     leaf: jit and orbax see only the arrays)."""
 
     master: tuple[jax.Array, ...]

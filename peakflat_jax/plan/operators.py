@@ -44,17 +44,22 @@ lightest setting for the device is not the lightest for the host."""
 def capable_variants(config: Config) -> list[Config]:
     """The settings of a config's ``auto`` operators among which its largest context is
     searched: the operators that cost only time on (``ON``), each ``HOST_TRADING`` one at each
-    of its settings. Every setting ``choose_operators`` could take at a context that fits is
-    at most as light as one of these on both memories, so the largest context of the lightest
-    of them is the largest at which ``auto`` finds a setting that fits (h200-e2e: every
-    boundary offloaded, the host binds at 388,072 tokens; none offloaded, the device at
-    427,790)."""
+    of its settings, and every ``auto`` operator off. With memory to spare, every setting
+    ``choose_operators`` could take at a context that fits is at most as light as one of the
+    first on both memories (h200-e2e: every boundary offloaded, the host binds at 388,072
+    tokens; none offloaded, the device at 427,790). Past the device's memory the standard
+    stack's step is counted as XLA:GPU schedules it there (``plan.programs.step_terms``) and
+    can be lighter than all of them (h200-1 with the optimizer's state resident: its largest,
+    592,826, past theirs), so it is searched too. The largest context of these is the largest
+    at which ``auto`` finds a setting that fits."""
     config, _ = resolve_host_cpu(config)
     auto = config.operators.chosen_by_planner
     on = {name: ON[name] for name in auto if name not in HOST_TRADING}
     trading = [name for name in HOST_TRADING if name in auto]
-    return [config.replace(operators={**on, **dict(zip(trading, values))})
-            for values in itertools.product(*(CHOICES[name] for name in trading))]
+    variants = [config.replace(operators={**on, **dict(zip(trading, values))})
+                for values in itertools.product(*(CHOICES[name] for name in trading))]
+    off = config.replace(operators={name: CHOICES[name][0] for name in auto})
+    return variants + ([off] if off not in variants else [])
 
 
 def resolve_host_cpu(config: Config) -> tuple[Config, list[Choice]]:

@@ -57,6 +57,11 @@ def make_plan(config: Config, num_devices: int, *, context: int | None = None,
                                                      device_memory, host_memory, platform,
                                                      rates)
         choices += mesh_choices
+    if config.optimizer.resident_groups and config.operators.optimizer_offload is not True:
+        choices.append(Choice(
+            "optimizer.resident_groups", config.optimizer.resident_groups,
+            "no effect: the optimizer is not streamed here (operators.optimizer_offload: "
+            f"{config.operators.optimizer_offload}), its whole state is on the device"))
     knobs = knobs_from_config(config, num_devices, context=context, platform=platform)
     knobs, knob_choices = choose_knobs(config, knobs, platform, device_memory, host_memory,
                                        auto=auto, rates=rates)
