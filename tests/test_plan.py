@@ -27,6 +27,7 @@ from peakflat_jax.ops import sco as sco_module
 from peakflat_jax.optim import offload_adamw, on_device_adamw
 from peakflat_jax.plan import cli as plan_cli
 from peakflat_jax.plan.host_pool import RUNTIME_GPU
+from peakflat_jax.plan.terms import resident_param_count
 from tests.test_train import ALL_OFF, SMALL
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "results"
@@ -192,6 +193,8 @@ VARIANTS = {
     "loss_and_optimizer_off": ["operators.loss=materialized", "operators.optimizer_offload=false"],
     "moe_and_offload_off": ["operators.moe_dispatch=ep", "operators.offload=none"],
     "host_cpu": [*ALL_OFF, "optimizer.update_on=host_cpu"],
+    # All four on, the streamed optimizer's first two groups resident on the device.
+    "resident": ["optimizer.resident_groups=2"],
 }
 
 
@@ -259,8 +262,10 @@ def test_plan_bounds_the_trainers_compiled_programs(compiled_programs, variant):
     config = small(*VARIANTS[variant])
     programs = compiled_programs(variant)
     plan = pl.make_plan(config, 8, platform="cpu", baseline=False, search_context=False)
-    # On CPU the host state is an ordinary argument: leave it out of the device's share.
-    host_state = 12 * pl.model_weights(config.model, 8).param_count
+    # On CPU the host state is an ordinary argument: leave it out of the device's share (the
+    # resident groups' state is the device's: the plan counts it).
+    host_state = 12 * (pl.model_weights(config.model, 8).param_count - resident_param_count(
+        config.model, 8, config.optimizer.resident_groups))
     xla = {name: program.total - (host_state if name != "gradient" else 0)
            for name, program in programs.items() if name != "host_update"}
     assert set(plan.programs) == set(xla)
