@@ -89,6 +89,7 @@ XLA_FLAGS="--xla_dump_to=/tmp/xla-dump-e2e --xla_dump_hlo_as_text --xla_dump_hlo
   train.device_memory_gib=1000000 "${nc[@]}" \
   --run-dir /tmp/r3
 kill $sampler
+python3 scripts/host_samples.py "$LOGS/e2e_8x_mem.log" > "$LOGS/e2e_8x_host.json" 2>&1
 keep /tmp/r3 e2e_8x
 (cd /tmp/xla-dump-e2e && tar -czf "$LOGS/xla_dump_h200-e2e_540k.tgz" \
   $(ls | grep -E "overlapped.*after_optimizations-(live-range|buffer-assignment)\.txt" | head -2)) 2>/dev/null

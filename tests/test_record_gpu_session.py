@@ -32,3 +32,23 @@ def test_a_driver_s_command_is_planned_as_its_config_and_overrides(monkeypatch):
     assert got["plan_device_gib"] == round(plan.total_bytes / 2**30, 2)
     assert got["plan_host_gib"] == round(plan.host_bytes / 2**30, 2)
     assert record.plan_gib("python3 scripts/probes/probe_host_link.py --gib 4") is None
+
+
+def test_the_host_sampler_log_is_summarized(tmp_path):
+    """scripts/host_samples.py on a log as the driver's sampler writes it (the process's fields
+    tab-separated as /proc gives them, absent before the process starts): the start's available
+    memory, the largest resident set, its high-water mark, and what the machine lost beyond it
+    at that sample."""
+    spec = importlib.util.spec_from_file_location(
+        "host_samples", pathlib.Path(__file__).parents[1] / "scripts" / "host_samples.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    gib = 2**20  # kB
+    lines = [f"100  MemAvailable: {125 * gib} kB",
+             f"101 VmHWM:\t {10 * gib} kB VmRSS:\t {10 * gib} kB  MemAvailable: {114 * gib} kB",
+             f"102 VmHWM:\t {100 * gib} kB VmRSS:\t {100 * gib} kB  MemAvailable: {23 * gib} kB",
+             f"103 VmHWM:\t {100 * gib} kB VmRSS:\t {60 * gib} kB  MemAvailable: {64 * gib} kB",
+             "104"]
+    assert script.summarize(lines) == {
+        "samples": 4, "available_at_start_gib": 125.0, "min_mem_available_gib": 23.0,
+        "max_vmrss_gib": 100.0, "max_vmhwm_gib": 100.0, "outside_at_max_rss_gib": 2.0}
