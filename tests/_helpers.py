@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
 from collections.abc import Iterator
+from types import ModuleType
 
 import numpy as np
+
+SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str) -> ModuleType:
+    """``scripts/NAME.py`` imported as a module (the scripts are no package)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def relative_error(actual, expected) -> float:

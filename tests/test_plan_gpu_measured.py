@@ -15,6 +15,7 @@ import re
 import tarfile
 
 import pytest
+from _helpers import load_script
 
 from peakflat_jax.config import load_config
 from peakflat_jax.plan import host_pool, make_plan
@@ -541,16 +542,12 @@ def test_the_pressed_moe_layer_follows_the_443k_dump(tmp_path):
     [N, H], the fp32 [N, V'] and RoPE's fp32 [N, D / 2] are as many as the terms count, with
     held_under_pressure the two [N, H], the [N, V'] and the two [N, D / 2] no other term
     names."""
-    import importlib.util
 
     from peakflat_jax import mesh as mop
     from peakflat_jax.plan.programs import program_bytes
     from peakflat_jax.plan.terms import phase_total, plan_terms
 
-    spec = importlib.util.spec_from_file_location("xla_live_set",
-                                                  RESULTS.parent / "xla_live_set.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("xla_live_set")
     with tarfile.open(OFF_443K) as archive:
         archive.extractall(tmp_path, filter="data")
     (buffers,) = tmp_path.glob("*/*train_step*buffer-assignment.txt")
@@ -756,11 +753,7 @@ def test_the_untied_overlapped_step_scheduled_its_copies_before_the_forward(tmp_
     optimizer alone, every MoE layer updated before the model was called; the 18:54 dump):
     nearly all of its 390 host copies start and end before the first attention, so none can
     run under the layers (scripts/xla_copy_schedule.py; sco.MadeInLoop is the change)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        "xla_copy_schedule", RESULTS.parent / "xla_copy_schedule.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("xla_copy_schedule")
     with tarfile.open(RESULTS / "xla_gpu_live_ranges_h200-1_opt64k_20261201.tgz") as archive:
         (member,) = [m for m in archive.getmembers() if m.name.endswith("live-range.txt")]
         archive.extract(member, tmp_path, filter="data")

@@ -4,16 +4,12 @@ plan that ``make_plan`` gives the same config and overrides."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
+from _helpers import load_script
 
 from peakflat_jax.config import load_config
 from peakflat_jax.plan import make_plan
 
-SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "record_gpu_session.py"
-spec = importlib.util.spec_from_file_location("record_gpu_session", SCRIPT)
-record = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(record)
+record = load_script("record_gpu_session")
 
 
 def test_a_driver_s_command_is_planned_as_its_config_and_overrides(monkeypatch):
@@ -39,10 +35,7 @@ def test_the_host_sampler_log_is_summarized(tmp_path):
     tab-separated as /proc gives them, absent before the process starts): the start's available
     memory, the largest resident set, its high-water mark, and what the machine lost beyond it
     at that sample."""
-    spec = importlib.util.spec_from_file_location(
-        "host_samples", pathlib.Path(__file__).parents[1] / "scripts" / "host_samples.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("host_samples")
     gib = 2**20  # kB
     lines = [f"100  MemAvailable: {125 * gib} kB",
              f"101 VmHWM:\t {10 * gib} kB VmRSS:\t {10 * gib} kB  MemAvailable: {114 * gib} kB",

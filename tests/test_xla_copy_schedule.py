@@ -1,19 +1,16 @@
 """scripts/xla_copy_schedule.py held to XLA:GPU's recorded schedules of h200-1's overlapped step
 (issue 26: where the streamed optimizer's host copies can run under compute)."""
 
-import importlib.util
 import pathlib
 import tarfile
+
+from _helpers import load_script
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "results"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location(
-        "xla_copy_schedule", RESULTS.parent / "xla_copy_schedule.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_script("xla_copy_schedule")
 
 
 def _sequence(script, archive_name, tmp_path):
