@@ -258,6 +258,17 @@ def grouped_step(opt, grads, state, write_back=True):
     return layout.merge_groups(leaves), opt.new_state(state, groups, scalars)
 
 
+def grouped_steps(opt, params, grads, write_back, **init_kwargs):
+    """A fresh state stepped through ``grads`` by ``grouped_step`` in one jitted program (as
+    inside a trainer's step): (the last step's new params, the state)."""
+    state = opt.init(params, stacked_layers=STACKED, **init_kwargs)
+    in_one = jax.jit(lambda g, s: grouped_step(opt, g, s, write_back),
+                     out_shardings=(None, opt.state_shardings(state)))
+    for g in grads:
+        leaves, state = in_one(g, state)
+    return jax.tree.unflatten(state.layout.treedef, leaves), state
+
+
 @pytest.mark.parametrize("mesh_axes", [None, (("data", 2), ("model", 4))])
 def test_updating_group_by_group_equals_the_whole_step_bit_for_bit(rng, mesh_axes):
     params = make_params(rng) if mesh_axes is None else sharded_params(rng, make_mesh(*mesh_axes))
@@ -270,14 +281,9 @@ def test_updating_group_by_group_equals_the_whole_step_bit_for_bit(rng, mesh_axe
     # One program for every group, as inside a trainer's step; written back as each bucket is
     # updated (the slot chain) or only once every group is (write_back=False).
     for write_back in (True, False):
-        state = opt.init(params, stacked_layers=STACKED)
-        shardings = opt.state_shardings(state)
-        in_one = jax.jit(lambda g, s, w=write_back: grouped_step(opt, g, s, w),
-                         out_shardings=(None, shardings))
-        for g in grads:
-            leaves, state = in_one(g, state)
+        new_params, state = grouped_steps(opt, params, grads, write_back)
         assert all(a.sharding.memory_kind == "pinned_host" for a in state.master)
-        assert_tree_close(jax.tree.unflatten(state.layout.treedef, leaves), whole_params, rtol=0)
+        assert_tree_close(new_params, whole_params, rtol=0)
         assert_tree_close(opt.master_params(state), opt.master_params(whole), rtol=0)
         assert_tree_close(state.streamed, whole.streamed, rtol=0)
         assert_tree_close(state.shared, whole.shared, rtol=0)
@@ -296,7 +302,8 @@ def test_updating_group_by_group_equals_the_whole_step_bit_for_bit(rng, mesh_axe
                              out_shardings=(None, opt.state_shardings(state).group(index)))
             _, group = update(layout.group_leaves(g, index), state.group(index), scalars)
             groups.append(group)
-        state = jax.jit(opt.new_state, out_shardings=shardings)(state, groups, scalars)
+        state = jax.jit(opt.new_state, out_shardings=opt.state_shardings(state))(
+            state, groups, scalars)
     assert all(a.sharding.memory_kind == "pinned_host" for a in state.master)
     assert_tree_close(opt.master_params(state), opt.master_params(whole), rtol=0)
     assert_tree_close(state.shared, whole.shared, rtol=0)
@@ -398,13 +405,10 @@ def test_resident_groups_change_no_bit_and_move_only_the_streamed_bytes(rng, mes
     assert_tree_close(state.streamed, streamed.streamed, rtol=0)
 
     for write_back in (True, False):
-        state = opt.init(params, stacked_layers=STACKED, resident_groups=resident)
-        in_one = jax.jit(lambda g, s, w=write_back: grouped_step(opt, g, s, w),
-                         out_shardings=(None, opt.state_shardings(state)))
-        for g in grads:
-            leaves, state = in_one(g, state)
+        new_params, state = grouped_steps(opt, params, grads, write_back,
+                                          resident_groups=resident)
         assert [a.sharding.memory_kind for a in state.master] == kinds
-        assert_tree_close(jax.tree.unflatten(layout.treedef, leaves), streamed_params, rtol=0)
+        assert_tree_close(new_params, streamed_params, rtol=0)
         assert_tree_close(opt.master_params(state), opt.master_params(streamed), rtol=0)
 
 

@@ -566,8 +566,7 @@ class OffloadStream:
 class OffloadStreamState:
     """Per bucket, the fp32 master and the transformation's per-parameter state leaves (host
     memory; device memory for the layout's resident groups); the transformation's shared state
-    (device). The layout is static metadata (not a
-    leaf: jit and orbax see only the arrays)."""
+    (device). The layout is static metadata (not a leaf: jit and orbax see only the arrays)."""
 
     master: tuple[jax.Array, ...]
     streamed: tuple[tuple[jax.Array, ...], ...]
