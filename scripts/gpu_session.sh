@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU runs of a session, as the stages of one detached driver on nvidia-h200 (~26 min as
-# estimated from earlier runs' walls, so the last stages may not run within a lease), most
-# decisive first, each with its own limit; logs and records under $LOGS as they go. The
+# estimated from earlier runs' walls, so the last stages may not run within a lease), the
+# cheap decisive ones first and the 9-minute e2e_8x after them (order: base64k, res8_fwd,
+# res4_bwd, res4_fwd, base592k, check652k, dump698k, e2e_8x, res2_bwd, pgle_*), each with its own limit; logs and records under $LOGS as they go. The
 # trainer adds its own XLA flags to any XLA_FLAGS a stage sets (cli.prepare_environment).
 #
 #   cp ../shared/gpu/driver.sh .gpu/ && cp scripts/gpu_session.sh .gpu/stages.sh  (wheels: .whl/)
@@ -66,13 +67,23 @@ unbounded=(train.device_memory_gib=1000000 train.host_memory_gib=1000000)
 sixty4=(train.steps=5 train.profile_steps=2 "${nc[@]}")
 run base64k 200 "${train[@]}" h200-1 train.steps=5 "${nc[@]}" --run-dir /tmp/r1
 keep /tmp/r1 base64k
-for stage in "4 backward bwd" "4 forward fwd" "8 forward fwd" "2 backward bwd"; do
+for stage in "8 forward fwd" "4 backward bwd" "4 forward fwd"; do
   set -- $stage
   run "res$1_$3" 200 "${train[@]}" h200-1 "${ALL_ON[@]}" operators.layer_loop=unrolled \
     operators.optimizer_writeback="$2" optimizer.resident_groups="$1" "${sixty4[@]}" \
     --run-dir /tmp/r1
   keep /tmp/r1 "res$1_$3"
 done
+run base592k 330 "${train[@]}" h200-1 "${ALL_OFF[@]}" data.seq_len=592826 train.steps=3 \
+  "${nc[@]}" --run-dir /tmp/r2
+keep /tmp/r2 base592k
+run check652k 200 "${plan[@]}" h200-1 "${ALL_OFF[@]}" data.seq_len=652110 "${unbounded[@]}" \
+  --check
+rm -rf /tmp/xla-dump
+XLA_FLAGS="--xla_dump_to=/tmp/xla-dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=overlapped" \
+  run dump698k 200 "${plan[@]}" h200-1 data.seq_len=698002 "${ALL_ON[@]}" "${unbounded[@]}" --check
+(cd /tmp/xla-dump && tar -czf "$LOGS/xla_dump_h200-1_on698k.tgz" \
+  $(ls | grep -E "overlapped.*after_optimizations-(live-range|buffer-assignment)\.txt" | head -2)) 2>/dev/null
 sample() { while sleep 1; do p=$(pgrep -f "^python3 -m peakflat_jax.cli train h200-e2e" | head -1)
   echo "$(date +%s) $(grep -h -E 'VmRSS|VmHWM' /proc/$p/status 2>/dev/null | tr -s ' ' | tr '\n' ' ') $(grep MemAvailable /proc/meminfo | tr -s ' ')"
   done > "$LOGS/e2e_8x_mem.log"; }
@@ -93,11 +104,13 @@ python3 scripts/host_samples.py "$LOGS/e2e_8x_mem.log" > "$LOGS/e2e_8x_host.json
 keep /tmp/r3 e2e_8x
 (cd /tmp/xla-dump-e2e && tar -czf "$LOGS/xla_dump_h200-e2e_540k.tgz" \
   $(ls | grep -E "overlapped.*after_optimizations-(live-range|buffer-assignment)\.txt" | head -2)) 2>/dev/null
-run base592k 330 "${train[@]}" h200-1 "${ALL_OFF[@]}" data.seq_len=592826 train.steps=3 \
-  "${nc[@]}" --run-dir /tmp/r2
-keep /tmp/r2 base592k
-run check652k 200 "${plan[@]}" h200-1 "${ALL_OFF[@]}" data.seq_len=652110 "${unbounded[@]}" \
-  --check
+for stage in "2 backward bwd"; do
+  set -- $stage
+  run "res$1_$3" 200 "${train[@]}" h200-1 "${ALL_ON[@]}" operators.layer_loop=unrolled \
+    operators.optimizer_writeback="$2" optimizer.resident_groups="$1" "${sixty4[@]}" \
+    --run-dir /tmp/r1
+  keep /tmp/r1 "res$1_$3"
+done
 # PGLE by hand: a profiled run's trace to XLA's profile proto, then the same run compiled with it.
 bwd=(h200-1 "${ALL_ON[@]}" operators.layer_loop=unrolled operators.optimizer_writeback=backward)
 run pgle_profiled 200 "${train[@]}" "${bwd[@]}" "${sixty4[@]}" --run-dir /tmp/r4
@@ -119,9 +132,4 @@ if [ -s "$LOGS/pgle_profile.pb" ]; then
     run pgle_used 200 "${train[@]}" "${bwd[@]}" "${sixty4[@]}" --run-dir /tmp/r4
   keep /tmp/r4 pgle_used
 fi
-rm -rf /tmp/xla-dump
-XLA_FLAGS="--xla_dump_to=/tmp/xla-dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=overlapped" \
-  run dump698k 200 "${plan[@]}" h200-1 data.seq_len=698002 "${ALL_ON[@]}" "${unbounded[@]}" --check
-(cd /tmp/xla-dump && tar -czf "$LOGS/xla_dump_h200-1_on698k.tgz" \
-  $(ls | grep -E "overlapped.*after_optimizations-(live-range|buffer-assignment)\.txt" | head -2)) 2>/dev/null
 echo "=== all done $(date -Is)"
