@@ -562,6 +562,20 @@ def _process_chunk(plan: _MoEPlan, weights, dispatched: _Dispatched, gates_chunk
     return combined.astype(rows.dtype)
 
 
+def _zeros_after(shape, dtype, after: jax.Array, *like: jax.Array) -> jax.Array:
+    """Zeros that cannot exist before ``after`` does (varying like ``after`` and ``like``).
+
+    A layer's zero-initialized loop buffers (the chunks' outputs, the fp32 sums of the chunks'
+    weight gradients) are constants to XLA: XLA:GPU fused every MoE layer's into one fusion run
+    before the first layer, each then held until its own layer's loop, (L_m - 1) * (N * H * b
+    + 3 * G * H * F * 4) bytes beyond the bound: 25 GiB at the backward's peak of h200-1's
+    overlapped step at 698,002 tokens (its buffer assignment, docs/plan.md). Zeros read out of
+    an optimization barrier with ``after`` (the layer's input, or its outputs' cotangent) are
+    made only once the layer's data is, and stay the same zeros."""
+    zero, _ = lax.optimization_barrier((jnp.zeros((), dtype), after))
+    return varying_like(jnp.broadcast_to(zero, shape), after, *like)
+
+
 def _dispatch_if(plan: _MoEPlan, chunks: _Chunks, i, like: _Dispatched) -> _Dispatched:
     """Chunk i's dispatch where 0 <= i < K, else an empty one shaped like ``like``: a loop's
     last step has no next chunk, and a ``lax.cond`` skips its exchange while every step's body
@@ -584,12 +598,15 @@ def _run_chunks(plan: _MoEPlan, weights, chunks: _Chunks):
     doc); backward re-dispatches and recomputes chunk by chunk, pipelined the same way in
     reverse.
     """
-    def step(dispatched, i):
+    def step(carry, i):
+        dispatched, outputs = carry
         upcoming = _dispatch_if(plan, chunks, i + 1, dispatched)  # before this chunk's matmuls
-        return upcoming, _process_chunk(plan, weights, dispatched, chunks.gates[i])
+        outputs = outputs.at[i].set(_process_chunk(plan, weights, dispatched, chunks.gates[i]))
+        return (upcoming, outputs), None
 
     first = _dispatch_chunk(plan, chunks, 0)
-    return lax.scan(step, first, jnp.arange(plan.num_chunks))[1]
+    outputs = _zeros_after(chunks.x.shape, chunks.x.dtype, chunks.x)
+    return lax.scan(step, (first, outputs), jnp.arange(plan.num_chunks))[0][1]
 
 
 def _run_chunks_fwd(plan, weights, chunks):
@@ -599,29 +616,30 @@ def _run_chunks_fwd(plan, weights, chunks):
 def _run_chunks_bwd(plan, residuals, d_outputs):
     weights, chunks = residuals
 
-    def chunk_grads(i, dispatched: _Dispatched):
+    def chunk_grads(i, dispatched: _Dispatched, d_output):
         """Chunk i recomputed from its dispatch, and differentiated: (dW, dx, d_gates)."""
         def process(w, rows, gates):
             return _process_chunk(plan, w, dispatched._replace(rows=rows), gates)
 
         _, vjp = jax.vjp(process, weights, dispatched.rows, chunks.gates[i])
-        d_w, d_received, d_gates = vjp(d_outputs[i])
+        d_w, d_received, d_gates = vjp(d_output)
         d_x = _tokens_cotangent(plan, d_received, dispatched.routes, chunks.x.dtype)
         return d_w, d_x, d_gates
 
     def step(carry, i):  # i = K-1, ..., 0
-        dispatched, d_weights = carry
+        dispatched, d_weights, d_chunks = carry
         upcoming = _dispatch_if(plan, chunks, i - 1, dispatched)  # before this chunk's recompute
-        d_w, d_x, d_gates = chunk_grads(i, dispatched)
+        d_w, d_x, d_gates = chunk_grads(i, dispatched, d_chunks[i])
         # The chunks' weight gradients sum in fp32.
         d_weights = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), d_weights, d_w)
-        return (upcoming, d_weights), (d_x, d_gates)
+        # Chunk i's token cotangent takes the place of its output's, read above and not again.
+        return (upcoming, d_weights, d_chunks.at[i].set(d_x.astype(d_chunks.dtype))), d_gates
 
     last = plan.num_chunks - 1
-    zeros = jax.tree.map(lambda w: varying_like(jnp.zeros(w.shape, jnp.float32), w), weights)
-    (_, d_weights), (d_x, d_gates) = lax.scan(
-        step, (_dispatch_chunk(plan, chunks, last), zeros), jnp.arange(plan.num_chunks),
-        reverse=True)
+    zeros = jax.tree.map(lambda w: _zeros_after(w.shape, jnp.float32, d_outputs, w), weights)
+    (_, d_weights, d_x), d_gates = lax.scan(
+        step, (_dispatch_chunk(plan, chunks, last), zeros, d_outputs),
+        jnp.arange(plan.num_chunks), reverse=True)
     d_weights = jax.tree.map(lambda g, w: g.astype(w.dtype), d_weights, weights)
     # No cotangent for the integer routing.
     return d_weights, _Chunks(x=d_x, gates=d_gates, destination=None, group=None)
