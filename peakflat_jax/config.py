@@ -354,14 +354,16 @@ class OptimizerConfig:
     """beta: parameters per streamed bucket (offloaded optimizer)."""
     slots: int = 2
     """s: buckets staged on the device at once (offloaded optimizer)."""
-    resident_groups: int = 0
+    resident_groups: int | None = None
     """How many of the streamed optimizer's first groups keep their fp32 master and moments in
     device memory instead of the host (offloaded optimizer): 1 is the weights outside the MoE
     stack (embedding, dense layers, final norm, head), each further one the next MoE layer, up
-    to 1 + the MoE layers. Each resident group costs 12 bytes a parameter of device memory and
-    saves 24 bytes a parameter of host-link traffic a step; the first groups are the ones whose
-    copies have no forward to hide under (updated before the first layer, or inside the first
-    layers' forward). The numbers are the same bit for bit."""
+    to 1 + the MoE layers; null: as many as fit on the device beside the step (the planner
+    chooses; none where the device's memory is unknown). Each resident group costs 12 bytes a
+    parameter of device memory and saves 24 bytes a parameter of host-link traffic a step;
+    the first groups are the ones whose copies have no forward to hide under (updated before
+    the first layer, or inside the first layers' forward). The numbers are the same bit for
+    bit."""
     update_on: Literal["device", "host_cpu"] = "device"
     """Where the standard stack's AdamW (``operators.optimizer_offload: false``) keeps its state
     and runs its update: ``device``, optax on the device inside the step, the fp32 master and
@@ -674,7 +676,7 @@ def check_config(config: Config) -> Config:
                           f"is one process's), got mesh.num_processes = "
                           f"{config.mesh.num_processes}")
     num_groups = 1 + m.num_layers - m.num_dense_layers
-    if not 0 <= opt.resident_groups <= num_groups:
+    if opt.resident_groups is not None and not 0 <= opt.resident_groups <= num_groups:
         raise ConfigError(f"optimizer.resident_groups: expected an integer from 0 to "
                           f"{num_groups} (the weights outside the MoE stack, then each of its "
                           f"{num_groups - 1} layers), got {opt.resident_groups}")

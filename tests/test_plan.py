@@ -656,3 +656,39 @@ def test_the_resident_state_is_the_layout_s(resident):
     every = pl.model_weights(config.model, 1).param_count * pl.Rates().optimizer_seconds_per_param
     share = held["device"] / (held["device"] + held["pinned_host"])
     assert estimates[0] - estimates[1] == pytest.approx(share * every, rel=1e-9)
+
+
+@pytest.mark.parametrize("context", [65_536, 524_288])
+def test_left_null_the_most_resident_groups_that_fit_are_kept(context):
+    """``optimizer.resident_groups: null`` with the optimizer streamed: the planner keeps the
+    most groups whose state fits on the device beside the step (h200-1 all four on, the
+    stack unrolled: every group at 64K, where the H200 stepped fastest with all eight; fewer at
+    512K), one group more does not fit, and the trainer's config carries the count. An
+    explicit count is kept, and with the device's memory unknown none is resident."""
+    on = ["operators.moe_dispatch=pipelined", "operators.loss=ring", "operators.offload=all",
+          "operators.optimizer_offload=true", "operators.layer_loop=unrolled",
+          f"data.seq_len={context}"]
+    memory = dict(device_memory=int(132.8 * 2**30), host_memory=int(124.8 * 2**30))
+    config = load_config("h200-1", on)
+    assert config.optimizer.resident_groups is None  # the default
+    plan = pl.make_plan(config, 1, platform="gpu", baseline=False, search_context=False,
+                        **memory)
+    chosen = plan.knobs.resident_groups
+    groups = 1 + config.model.num_layers - config.model.num_dense_layers
+    assert plan.filled_config().optimizer.resident_groups == chosen
+    assert any(c.key == "optimizer.resident_groups" and c.value == chosen for c in plan.choices)
+
+    def fits(count: int) -> bool:
+        fixed = load_config("h200-1", on + [f"optimizer.resident_groups={count}"])
+        return pl.make_plan(fixed, 1, platform="gpu", baseline=False, search_context=False,
+                            **memory).feasible
+
+    assert fits(chosen)
+    assert (chosen == groups) == (context == 65_536)
+    if chosen < groups:
+        assert not fits(chosen + 1)
+    explicit = load_config("h200-1", on + ["optimizer.resident_groups=3"])
+    assert pl.make_plan(explicit, 1, platform="gpu", baseline=False, search_context=False,
+                        **memory).knobs.resident_groups == 3
+    assert pl.make_plan(config, 1, platform="gpu", baseline=False,
+                        search_context=False).knobs.resident_groups == 0

@@ -101,7 +101,7 @@ def step_seconds(config: Config, knobs: Knobs, rates: Rates = Rates()) -> float:
     if knobs.optimizer_offload:
         # The resident groups' state is updated where it is: only the rest crosses the link.
         streamed = model_weights(model, width).param_count - resident_param_count(
-            model, width, config.optimizer.resident_groups)
+            model, width, knobs.resident_groups)
         optimizer = streamed * rates.optimizer_seconds_per_param
         # Overlapped with the unrolled stack, the stream runs under the forward (1/4 of the
         # compute); with the scanned one the stacked MoE weights wait for all their buckets,

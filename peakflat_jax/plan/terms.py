@@ -179,6 +179,9 @@ class Knobs:
     slots: int
     attention: str
     """The resolved kernel: ``cudnn`` or ``xla``."""
+    resident_groups: int = 0
+    """How many of the streamed optimizer's first groups keep their state on the device
+    (``optimizer.resident_groups``; 0 where the optimizer is not streamed)."""
 
     @property
     def num_devices(self) -> int:
@@ -209,6 +212,7 @@ class Knobs:
                 "operators.optimizer_offload": self.optimizer_offload,
                 "operators.optimizer_overlap": self.optimizer_overlap,
                 "optimizer.bucket_params": self.bucket_params, "optimizer.slots": self.slots,
+                "optimizer.resident_groups": self.resident_groups if self.optimizer_offload else 0,
                 "operators.attention": self.attention}
 
 
@@ -408,7 +412,7 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
 
     # The optimizer.
     if knobs.optimizer_offload:
-        resident = resident_param_count(model, width, config.optimizer.resident_groups)
+        resident = resident_param_count(model, width, knobs.resident_groups)
         step = offload_module.offload_stream_adamw_memory_terms(
             weights.param_count, knobs.bucket_params, knobs.slots, model.dtype, resident)
         if resident:
@@ -703,7 +707,8 @@ def baseline_knobs(knobs: Knobs) -> Knobs:
     chunk, the materialized loss, no offload, the optimizer on the device."""
     return dataclasses.replace(knobs, moe_dispatch="ep", token_budget=None,
                                loss="materialized", offload=(False,) * len(knobs.offload),
-                               optimizer_offload=False, optimizer_overlap=False)
+                               optimizer_offload=False, optimizer_overlap=False,
+                               resident_groups=0)
 
 
 def _pipeline_bytes(config: Config, knobs: Knobs) -> int:
