@@ -242,12 +242,15 @@ def _most_resident(config: Config, knobs: Knobs, platform: str, device_memory: i
     unrolled = config.replace(operators={"layer_loop": "unrolled"})
     if (config.operators.layer_loop == "auto" and knobs.optimizer_overlap and platform == "gpu"
             and fits_in_memory(unrolled, dataclasses.replace(knobs, resident_groups=0),
-                               platform, device_memory, host_memory)):
+                               platform, device_memory, None)):
         held = unrolled
-    options = list(range(groups, -1, -1))  # the most first: fits only below some count
+    # The device alone: each group more holds more of it (the most first, fitting only below
+    # some count), and less of the host, so the most the device holds is the host's best too.
+    # (With a pinned-host cap set, the host fits only from some count up: no monotone search
+    # over both.)
+    options = list(range(groups, -1, -1))
     first = _first_true(options, lambda k: fits_in_memory(
-        held, dataclasses.replace(knobs, resident_groups=k), platform, device_memory,
-        host_memory))
+        held, dataclasses.replace(knobs, resident_groups=k), platform, device_memory, None))
     count = 0 if first is None else options[first]
     why = (f"{count} of {groups}: the most groups whose fp32 master and moments fit on the "
            f"device beside the step (the weights outside the MoE stack, then one MoE layer a "
