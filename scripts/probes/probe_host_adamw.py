@@ -213,11 +213,12 @@ def make_case(num_params: int, leaf: int, cols: int, dtype, program: str):
     optimizer = PROGRAMS[program](OptimizerConfig())  # clipping on (max_grad_norm 1.0)
     host = optimizer.host_sharding
     rng = np.random.default_rng(0)
-    params = {f"w{i}": jax.device_put(jnp.asarray(rng.standard_normal(s) * 0.02, dtype), host)
-              for i, s in enumerate(leaf_shapes(num_params, leaf, cols))}
+    params = {f"w{i}": jax.device_put(
+        jnp.asarray(rng.standard_normal(s, np.float32) * 0.02, dtype), host)
+        for i, s in enumerate(leaf_shapes(num_params, leaf, cols))}
     state = optimizer.init(params)
     state = with_hyperparams(state, hyperparams_at(OptimizerConfig(), lambda _: 1e-3, 0))
-    grads = {k: np.asarray(jnp.asarray(rng.standard_normal(v.shape) * 1e-3, dtype))
+    grads = {k: np.asarray(jnp.asarray(rng.standard_normal(v.shape, np.float32) * 1e-3, dtype))
              for k, v in params.items()}  # numpy: each device_put below makes a new array
     return optimizer, params, state, grads
 
