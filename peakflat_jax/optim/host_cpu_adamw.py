@@ -4,17 +4,21 @@ host_cpu``; the optimizer is ``peakflat_jax.train.optimizer.HostCpuAdamW``).
 
 The fp32 master and both moments live in host memory and the host CPU updates them: each step
 the gradients come down in the working dtype (P * b bytes), one CPU program (its inputs
-donated: in place) clips them by their global norm and applies AdamW leaf after leaf, the new
-working params written over the gradients' buffer, and those go back up (P * b bytes). So the
-device holds no optimizer state at all, only the params and their gradients (``params``,
-``grads``: 2 * P * b, the same as with OffloadStreamAdamW), and the host holds, per device
+donated: in place) clips them by their global norm and applies AdamW leaf after leaf, each
+leaf's chunks side by side (the state keeps a large leaf in up to 8 chunks of whole rows, so
+that XLA:CPU runs a loop per chunk at once: all the host's cores, where one loop per leaf got
+ceil(sqrt(cores)) of them), the new working params written over the gradients' buffer, and
+those go back up (P * b bytes). So the device holds no optimizer state at all, only the params
+and their gradients (``params``, ``grads``: 2 * P * b, the same as with OffloadStreamAdamW),
+and the host holds, per device
 
-    12 * P                                fp32 master, mu, nu
+    12 * P                                fp32 master, mu, nu (in chunks: the same bytes)
     P * b + 4 * P_max / W [clipped]       the step's transit: the gradients as they came down
                                           (then the working params), and with global-norm
-                                          clipping one leaf's clipped fp32 gradient at a time,
-                                          the largest leaf's (P_max elements, whole: the one
-                                          process's program holds it for its W devices)
+                                          clipping one leaf's clipped fp32 gradient at a time
+                                          (its chunks' side by side), the largest leaf's
+                                          (P_max elements, whole: the one process's program
+                                          holds it for its W devices)
 
 which is XLA:CPU's plan of the update to its bookkeeping (arguments, temporaries, the outputs
 aliased; tests/test_plan.py). The leaf after leaf is the program's doing
@@ -38,11 +42,12 @@ from peakflat_jax._validate import as_int
 
 MEMORY_FORMULAS = {
     "cpu_adamw_state": "12 * P: fp32 master, mu and nu in the CPU backend's host memory (not "
-                       "XLA's pinned-host pool)",
+                       "XLA's pinned-host pool), a large leaf's in chunks",
     "cpu_adamw_transit": "P * b + 4 * P_max / W with clipping (else P * b): the gradients as "
                          "they came down, whose buffer the new working params reuse, and one "
-                         "leaf's clipped fp32 gradient at a time, the largest's (P_max, whole; "
-                         "the process's W devices share it): XLA:CPU's plan of the host update",
+                         "leaf's clipped fp32 gradient at a time (its chunks' side by side), "
+                         "the largest's (P_max, whole; the process's W devices share it): "
+                         "XLA:CPU's plan of the host update",
     "cpu_adamw_scalars": "1 KiB: the update's scalars and bookkeeping in XLA:CPU's plan of it "
                          "(step counts, hyperparameters, the global norm; 932 bytes over 8 "
                          "devices for tiny)",

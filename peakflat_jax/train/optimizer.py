@@ -17,6 +17,7 @@ leaf after leaf).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -118,37 +119,89 @@ class DeviceAdamW:
         return working, (target, optax_state)
 
 
+MAX_HOST_CHUNKS = 8
+"""At most this many chunks per leaf in ``HostCpuAdamW``'s state: XLA:CPU fuses a concatenate
+of at most 8 operands into the loop that reads it (``kMaxConcatenateArguments``,
+xla/service/cpu/cpu_instruction_fusion.cc), which is how a leaf's working params are written
+from its chunks with no copy in between."""
+MIN_HOST_CHUNK_PARAMS = 1 << 20
+"""No chunk of ``HostCpuAdamW``'s state is smaller than this (but a smaller leaf's one): a
+4 MiB fp32 chunk already gets XLA:CPU's most tasks per loop."""
+
+
+def host_chunk_rows(shape) -> tuple[int, ...]:
+    """How ``HostCpuAdamW`` cuts a leaf of ``shape`` into chunks: the rows (of its last
+    dimension) of each, consecutive; one chunk, the leaf as it is, where that is ``()``. As many
+    chunks as ``MIN_HOST_CHUNK_PARAMS`` allows up to ``MAX_HOST_CHUNKS`` (and the rows), as
+    equal as whole rows make them. Whole rows, so that each element sits where it sat in the
+    leaf's innermost loop (XLA:CPU cuts a loop's tasks along its outer dimensions too). A
+    function of the shape only, so that a checkpoint restores on any host."""
+    size = math.prod(shape)
+    rows = size // shape[-1] if len(shape) > 1 and shape[-1] else 1
+    count = min(MAX_HOST_CHUNKS, max(1, size // MIN_HOST_CHUNK_PARAMS), rows)
+    if count == 1:
+        return ()
+    base, extra = divmod(rows, count)
+    return tuple(base + (k < extra) for k in range(count))
+
+
+def _chunks(leaf) -> tuple:
+    """``leaf`` in ``host_chunk_rows`` chunks: (leaf,) or its rows' pieces, each 2-D."""
+    rows = host_chunk_rows(leaf.shape)
+    if not rows:
+        return (leaf,)
+    table, start, pieces = leaf.reshape(-1, leaf.shape[-1]), 0, []
+    for count in rows:
+        pieces.append(table[start:start + count])
+        start += count
+    return tuple(pieces)
+
+
 class HostCpuAdamW:
     """``DeviceAdamW``'s update on the host CPU, its state in host memory: ZeRO-Offload's
     placement (DeepSpeed's CPU Adam), the standard stack's optimizer where the device cannot
     hold the state (``optimizer.update_on: host_cpu``).
 
-    The state, ``(fp32 master, optax state)`` of ``DeviceAdamW``'s structure, lives on the
-    host's CPU device (jax's CPU backend; one device: the whole model's update is one program,
-    XLA:CPU spreads its loops over the host's cores). Each ``step(grads, state)``: the
-    gradients go device -> host (P * b bytes, b the working dtype's); one CPU program, its
-    inputs donated, takes the global norm of the upcast gradients (optax's ``tree.norm``), then
-    updates the leaves one after another: each leaf's gradient upcast and clipped as
-    ``optax.clip_by_global_norm`` clips it given that norm, the injected AdamW
-    (``DeviceAdamW.adamw``, the same optax update) applied to the leaf's master and moments in
-    place, its new working params written over its gradients; the gradients' buffers, now the
-    working params, go host -> device (P * b bytes) to where the gradients came from, which is
-    where the params were (the gradient program places them alike). Nothing of the optimizer is
-    on the device; the host holds 12 bytes a parameter of state, the gradients in the working
-    dtype and one leaf's fp32 clipped gradient (``peakflat_jax.optim.host_cpu_adamw``'s terms).
+    The state, ``(fp32 master, optax state)``, lives on the host's CPU device (jax's CPU
+    backend; one device: the whole model's update is one program). It is ``DeviceAdamW``'s
+    state with each per-parameter leaf kept in chunks: a tuple of arrays, the leaf itself where
+    it is small, else consecutive pieces of its rows (of its last dimension), each 2-D
+    (``host_chunk_rows``; ``standard_state`` joins them back). Each
+    ``step(grads, state)``: the gradients go device -> host (P * b bytes, b the working dtype's);
+    one CPU program, its inputs donated, takes the global norm of the upcast gradients (optax's
+    ``tree.norm``), then updates the leaves one after another, each leaf's chunks side by side:
+    a chunk's gradient upcast and clipped as ``optax.clip_by_global_norm`` clips it given that
+    norm, the injected AdamW (``DeviceAdamW.adamw``, the same optax update) applied to the
+    chunk's master and moments in place; the leaf's new working params, its chunks' masters
+    cast and joined, written over its gradients; the gradients' buffers, now the working params,
+    go host -> device (P * b bytes) to where the gradients came from, which is where the params
+    were (the gradient program places them alike). Nothing of the optimizer is on the device;
+    the host holds 12 bytes a parameter of state, the gradients in the working dtype and one
+    leaf's fp32 clipped gradient (``peakflat_jax.optim.host_cpu_adamw``'s terms).
 
-    Why leaf after leaf (an optimization barrier ties each leaf's gradient to the previous
-    leaf's results): updating the whole tree at once, XLA:CPU kept every leaf's clipped fp32
-    gradient alive together, 4 bytes a parameter more host memory than the state, 27 GiB for a
-    7.4B-parameter model, past what an H200's host has beside the state. AdamW is elementwise,
-    so a leaf's numbers are the tree's (the norm is the whole tree's, the step count one for
-    all): the same optax arithmetic as the device's. On one device the optax state (moments,
-    counts) comes out bit for bit the device's and the master within an ulp or two a step (XLA
-    compiles the two programs' bias corrections apart; tests/test_train_optimizer.py). Why a
-    program of its own on the CPU backend rather than ``compute_on("device_host")`` inside the
-    step: that is the baseline as ZeRO-Offload runs it (gradients down, a CPU optimizer,
-    weights up). One process only: its state is one process's host arrays
-    (``config.check_config`` refuses more)."""
+    Why chunks: XLA:CPU runs each elementwise loop on at most ceil(sqrt(cores)) tasks when it
+    moves more bytes than it computes flops (4 of an H200 host's 16 cores; ParallelTaskAssigner,
+    xla/service/cpu/parallel_task_assignment.cc), and AdamW's loops all do. Independent loops
+    run side by side (the thunk executor runs its graph's ready nodes concurrently), but a
+    leaf's loops write its arrays in place, one loop per array; a chunk is an array of its own,
+    so a leaf of 8 chunks runs 8 loops of 4 tasks at once where it ran one. The loops are the
+    same, each on a slice: the same arithmetic, bit for bit. Why leaf after leaf (an
+    optimization barrier ties each leaf's gradient to the previous leaf's new moments): updating
+    the whole tree at once, XLA:CPU kept every leaf's clipped fp32 gradient alive together, 4
+    bytes a parameter more host memory than the state, 27 GiB for a 7.4B-parameter model, past
+    what an H200's host has beside the state; a leaf's clipped gradient is dead once its
+    moments are written, so the next leaf's starts there while this one's master and working
+    params are still being written. Why the clipped gradient is a buffer at all (its loop's
+    result read by the two moments' loops): computed again inside each, it was gone, but LLVM
+    then contracted AdamW's multiply-adds into FMAs differently, and the fp32 moments left
+    ``DeviceAdamW``'s bits. AdamW is elementwise, so a chunk's numbers are the tree's (the norm
+    is the whole tree's, the step count one for all): the same optax arithmetic as the
+    device's. On one device the optax state (moments, counts) comes out bit for bit the
+    device's and the master within an ulp or two a step (XLA compiles the two programs' bias
+    corrections apart; tests/test_train_optimizer.py). Why a program of its own on the CPU
+    backend rather than ``compute_on("device_host")`` inside the step: that is the baseline as
+    ZeRO-Offload runs it (gradients down, a CPU optimizer, weights up). One process only: its
+    state is one process's host arrays (``config.check_config`` refuses more)."""
 
     def __init__(self, config: OptimizerConfig):
         self.device_adamw = DeviceAdamW(config)
@@ -160,8 +213,8 @@ class HostCpuAdamW:
         self._executables: dict = {}
 
     def init(self, params):
-        """(fp32 master, optax state) of ``params``, on the host CPU device: the params come
-        down once."""
+        """(fp32 master, optax state) of ``params``, in chunks, on the host CPU device: the
+        params come down once."""
         host_params = jax.device_put(params, self.host_sharding)
         return jax.jit(self._host_init, out_shardings=self.host_sharding)(host_params)
 
@@ -171,6 +224,21 @@ class HostCpuAdamW:
         shapes = jax.eval_shape(self._host_init, params)
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                            sharding=self.host_sharding), shapes)
+
+    def standard_state(self, state, params):
+        """``state`` in ``DeviceAdamW``'s structure (each chunked leaf joined and shaped as
+        ``params``' leaf): new arrays, where ``state`` is."""
+        treedef = jax.tree.structure(params)
+        shapes = [p.shape for p in jax.tree.leaves(params)]
+        chunked = jax.tree.structure(state[0])
+
+        def join(node):
+            if jax.tree.structure(node) != chunked:
+                return node
+            return treedef.unflatten([jnp.concatenate(pieces).reshape(shape) for pieces, shape
+                                      in zip(treedef.flatten_up_to(node), shapes)])
+
+        return jax.tree.map(join, state, is_leaf=lambda n: jax.tree.structure(n) == chunked)
 
     def step(self, grads, state):
         """(new working params on the device, placed as ``grads``; the new host state).
@@ -211,7 +279,7 @@ class HostCpuAdamW:
                                                            sharding=self.host_sharding), params)
 
     def _host_init(self, params):
-        master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+        master = jax.tree.map(lambda p: _chunks(p.astype(jnp.float32)), params)
         return master, self.device_adamw.transformation.init(master)
 
     def _host_update(self, grads, state):
@@ -221,41 +289,50 @@ class HostCpuAdamW:
         max_norm = self.device_adamw.max_grad_norm
         norm = (None if max_norm is None else
                 optax.tree.norm([g.astype(jnp.float32) for g in grad_leaves]))
-        # AdamW's state: subtrees shaped like the params (the moments), taken leaf by leaf, and
-        # shared leaves (the step count, the hyperparameters).
-        shapes = [g.shape for g in grad_leaves]
+        # AdamW's state: subtrees chunked like the master (the moments), taken chunk by chunk,
+        # and shared leaves (the step count, the hyperparameters).
+        chunked = jax.tree.structure(master)
+        sizes = [tuple(x.shape for x in pieces) for pieces in treedef.flatten_up_to(master)]
 
         def per_param(node) -> bool:
-            return (jax.tree.structure(node) == treedef
-                    and [getattr(x, "shape", None) for x in jax.tree.leaves(node)] == shapes)
+            return (jax.tree.structure(node) == chunked
+                    and [tuple(getattr(x, "shape", None) for x in pieces)
+                         for pieces in treedef.flatten_up_to(node)] == sizes)
 
         nodes, outer = jax.tree.flatten(adamw_state, is_leaf=per_param)
         moments = [j for j, node in enumerate(nodes) if per_param(node)]
-        moment_leaves = {j: treedef.flatten_up_to(nodes[j]) for j in moments}
+        moment_chunks = {j: treedef.flatten_up_to(nodes[j]) for j in moments}
 
-        def adamw_of(leaves: dict):
-            """AdamW's state with each per-parameter subtree replaced by one leaf's array."""
-            return outer.unflatten([leaves.get(j, node) for j, node in enumerate(nodes)])
+        def adamw_of(arrays: dict):
+            """AdamW's state with each per-parameter subtree replaced by one chunk's array."""
+            return outer.unflatten([arrays.get(j, node) for j, node in enumerate(nodes)])
 
         working, new_master, new_moments = [], [], {j: [] for j in moments}
         done = ()
-        for i, (grad, leaf_master) in enumerate(zip(grad_leaves,
-                                                    treedef.flatten_up_to(master))):
-            # Leaf i starts once leaf i - 1 is done: its fp32 temporaries are dead by then.
+        for i, (grad, master_chunks) in enumerate(zip(grad_leaves,
+                                                      treedef.flatten_up_to(master))):
+            # Leaf i starts once leaf i - 1's moments are written: its clipped gradient is dead.
             grad, _ = lax.optimization_barrier((grad, done))
-            piece = grad.astype(jnp.float32)
-            if norm is not None:  # optax.clip_by_global_norm, given the global norm
-                piece = lax.select(norm < max_norm, piece,
-                                   (piece / norm.astype(piece.dtype)) * max_norm)
-            updates, new = self.device_adamw.adamw.update(
-                piece, adamw_of({j: moment_leaves[j][i] for j in moments}), leaf_master)
-            leaf_master = optax.apply_updates(leaf_master, updates)
-            new_nodes = outer.flatten_up_to(new)
+            leaf_master, leaf_moments = [], {j: [] for j in moments}
+            for k, (chunk_grad, chunk_master) in enumerate(zip(_chunks(grad), master_chunks,
+                                                                strict=True)):
+                piece = chunk_grad.astype(jnp.float32)
+                if norm is not None:  # optax.clip_by_global_norm, given the global norm
+                    piece = lax.select(norm < max_norm, piece,
+                                       (piece / norm.astype(piece.dtype)) * max_norm)
+                updates, new = self.device_adamw.adamw.update(
+                    piece, adamw_of({j: moment_chunks[j][i][k] for j in moments}),
+                    chunk_master)
+                leaf_master.append(optax.apply_updates(chunk_master, updates))
+                new_nodes = outer.flatten_up_to(new)
+                for j in moments:
+                    leaf_moments[j].append(new_nodes[j])
+            working.append(jnp.concatenate([m.astype(grad.dtype) for m in leaf_master])
+                           .reshape(grad.shape))  # one chunk: the leaf as it is
+            new_master.append(tuple(leaf_master))
             for j in moments:
-                new_moments[j].append(new_nodes[j])
-            working.append(leaf_master.astype(grad.dtype))
-            new_master.append(leaf_master)
-            done = (working[-1], leaf_master, *(new_nodes[j] for j in moments))
+                new_moments[j].append(tuple(leaf_moments[j]))
+            done = tuple(leaf_moments.values())
         # The shared leaves advance without looking at any element: an empty leaf's update.
         empty = jnp.zeros((0,), jnp.float32)
         _, advanced = self.device_adamw.adamw.update(empty, adamw_of(dict.fromkeys(moments,
