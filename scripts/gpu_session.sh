@@ -33,7 +33,10 @@
 #                (44.2 s a step on 2026-12-02, ~43 s of it the update), now chunked
 #   auto64k      issue 27's ratio in the same lease: ours (auto) at 65,536 (3.140 s, 2026-12-02)
 #   on64k_autoK  issue 26: h200-1 at 64K, all four forced on, the resident groups left to the
-#                planner (it keeps all 8: 1.706 s measured with K = 8 set by hand), and base64k
+#                planner (it keeps all 8: 1.706 s measured with K = 8 set by hand; the standard
+#                stack 1.602 s on 2026-12-03)
+#   on512k_autoK issues 25/26: the same at 524,288, where the planner's count (4 of 8) fills
+#                the device to 128.35 of 132.8 GiB planned: does it fit, and how fast
 #   pgle_*       issue 26: XLA's latency-hiding scheduler given a measured profile of the step
 #                (jax's AOT compile takes no PGLE: the profile goes in by XLA flag), K = 0
 set -uo pipefail
@@ -97,8 +100,12 @@ keep /tmp/r2 auto64k
 # 4. h200-1 at 64K: all four forced on with the planner's resident groups, and the standard stack.
 run on64k_autoK 200 "${train[@]}" h200-1 "${ALL_ON[@]}" "${sixty4[@]}" --run-dir /tmp/r1
 keep /tmp/r1 on64k_autoK
-run base64k 200 "${train[@]}" h200-1 train.steps=5 "${nc[@]}" --run-dir /tmp/r1
-keep /tmp/r1 base64k
+# Where the count stops at the device's edge (the plan keeps 4 of 8 at 128.35 of 132.8 GiB):
+# nothing bounds the resident updates' temporaries yet, so this is the check that the count
+# the planner fills the device with fits.
+run on512k_autoK 300 "${train[@]}" h200-1 "${ALL_ON[@]}" data.seq_len=524288 train.steps=3 \
+  "${nc[@]}" --run-dir /tmp/r1
+keep /tmp/r1 on512k_autoK
 # 5. PGLE by hand: a profiled run's trace to XLA's profile proto, then the same run compiled with it.
 bwd=(h200-1 "${ALL_ON[@]}" operators.layer_loop=unrolled operators.optimizer_writeback=backward
      optimizer.resident_groups=0)

@@ -692,3 +692,18 @@ def test_left_null_the_most_resident_groups_that_fit_are_kept(context):
                         **memory).knobs.resident_groups == 3
     assert pl.make_plan(config, 1, platform="gpu", baseline=False,
                         search_context=False).knobs.resident_groups == 0
+    # A budget lifted past the device (train.device_memory_gib, to let XLA say where a run
+    # stops) keeps no more than the device the config names holds.
+    lifted = pl.make_plan(config, 1, platform="gpu", baseline=False, search_context=False,
+                          device_memory=10**6 * 2**30, host_memory=memory["host_memory"])
+    assert lifted.knobs.resident_groups == chosen
+
+
+def test_auto_searches_around_an_explicit_resident_count():
+    """``--auto`` with ``optimizer.resident_groups`` set: the count stays and the context and
+    knobs searched around it fit (the search once assumed none resident and planned 704,096
+    tokens that did not fit)."""
+    memory = dict(device_memory=int(132.8 * 2**30), host_memory=int(124.8 * 2**30))
+    plan = pl.make_plan(load_config("h200-1", ["optimizer.resident_groups=8"]), 1,
+                        platform="gpu", auto=True, **memory)
+    assert plan.knobs.resident_groups == 8 and plan.feasible

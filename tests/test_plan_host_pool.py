@@ -145,7 +145,10 @@ def test_the_plan_of_an_auto_config_models_the_cap_its_run_sets(environ):
     pool = pinned + terms["host.pinned_pool_growth"]
     assert 0 < pinned < pool <= cap * GIB
     # The run's own plan, with the variable set as the run sets it, models the same pool.
-    again = {t.name: t.bytes for t in make_plan(
-        config, 1, platform="gpu", device_memory=int(132.8 * GIB), host_memory=125 * GIB,
-        baseline=False, search_context=False).terms}
+    again_plan = make_plan(config, 1, platform="gpu", device_memory=int(132.8 * GIB),
+                           host_memory=125 * GIB, baseline=False, search_context=False)
+    again = {t.name: t.bytes for t in again_plan.terms}
     assert again["host.pinned_pool_growth"] == terms["host.pinned_pool_growth"]
+    # And under its cap the run chooses what the cap was planned for (the resident groups left
+    # null among them: their count must not depend on the cap).
+    assert again_plan.knobs == plan.knobs

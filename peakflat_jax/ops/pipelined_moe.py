@@ -562,8 +562,8 @@ def _process_chunk(plan: _MoEPlan, weights, dispatched: _Dispatched, gates_chunk
     return combined.astype(rows.dtype)
 
 
-def _zeros_after(shape, dtype, after: jax.Array, *like: jax.Array) -> jax.Array:
-    """Zeros that cannot exist before ``after`` does (varying like ``after`` and ``like``).
+def _zeros_after(shape, dtype, after: jax.Array, like: jax.Array) -> jax.Array:
+    """Zeros that cannot exist before ``after`` does, varying like ``like``.
 
     A layer's zero-initialized loop buffers (the chunks' outputs, the fp32 sums of the chunks'
     weight gradients) are constants to XLA: XLA:GPU fused every MoE layer's into one fusion run
@@ -573,7 +573,7 @@ def _zeros_after(shape, dtype, after: jax.Array, *like: jax.Array) -> jax.Array:
     an optimization barrier with ``after`` (the layer's input, or its outputs' cotangent) are
     made only once the layer's data is, and stay the same zeros."""
     zero, _ = lax.optimization_barrier((jnp.zeros((), dtype), after))
-    return varying_like(jnp.broadcast_to(zero, shape), after, *like)
+    return varying_like(jnp.broadcast_to(zero, shape), like)
 
 
 def _dispatch_if(plan: _MoEPlan, chunks: _Chunks, i, like: _Dispatched) -> _Dispatched:
@@ -601,11 +601,12 @@ def _run_chunks(plan: _MoEPlan, weights, chunks: _Chunks):
     def step(carry, i):
         dispatched, outputs = carry
         upcoming = _dispatch_if(plan, chunks, i + 1, dispatched)  # before this chunk's matmuls
-        outputs = outputs.at[i].set(_process_chunk(plan, weights, dispatched, chunks.gates[i]))
+        outputs = lax.dynamic_update_index_in_dim(
+            outputs, _process_chunk(plan, weights, dispatched, chunks.gates[i]), i, 0)
         return (upcoming, outputs), None
 
     first = _dispatch_chunk(plan, chunks, 0)
-    outputs = _zeros_after(chunks.x.shape, chunks.x.dtype, chunks.x)
+    outputs = _zeros_after(chunks.x.shape, chunks.x.dtype, chunks.x, chunks.x)
     return lax.scan(step, (first, outputs), jnp.arange(plan.num_chunks))[0][1]
 
 
@@ -633,7 +634,8 @@ def _run_chunks_bwd(plan, residuals, d_outputs):
         # The chunks' weight gradients sum in fp32.
         d_weights = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), d_weights, d_w)
         # Chunk i's token cotangent takes the place of its output's, read above and not again.
-        return (upcoming, d_weights, d_chunks.at[i].set(d_x.astype(d_chunks.dtype))), d_gates
+        d_chunks = lax.dynamic_update_index_in_dim(d_chunks, d_x.astype(d_chunks.dtype), i, 0)
+        return (upcoming, d_weights, d_chunks), d_gates
 
     last = plan.num_chunks - 1
     zeros = jax.tree.map(lambda w: _zeros_after(w.shape, jnp.float32, d_outputs, w), weights)

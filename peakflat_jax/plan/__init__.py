@@ -44,8 +44,10 @@ On a CPU the memory kinds lower to nothing: a plan for ``platform="cpu"`` keeps 
 "offloaded" boundaries on the device, as XLA:CPU does.
 
 Choosing the knobs (``choose_knobs``). A knob left null in a config (``operators.token_budget``,
-``operators.vocab_block``) is filled by the rule ``--auto`` uses for it: the fewest chunks, then
-the largest vocab block, that fit (memory falls and time rises with chunks); with the device's
+``operators.vocab_block``, ``optimizer.resident_groups``) is filled by the rule ``--auto`` uses
+for it: the fewest chunks, then the largest vocab block, that fit (memory falls and time rises
+with chunks), and with the optimizer streamed the most groups whose state fits on the device
+(``knobs.most_resident``); with the device's
 memory unknown (a CPU), the tightest setting the config allows. ``--auto`` re-chooses all of
 them with the offloaded boundaries, the optimizer's placement, its bucket size and slots, and
 the mesh's data x seq split: it estimates each candidate's step time from measured rates

@@ -104,7 +104,9 @@ def choose_knobs(config: Config, knobs: Knobs, platform: str, device_memory: int
                  host_memory: int | None, *, auto: bool,
                  rates: Rates = Rates()) -> tuple[Knobs, list[Choice]]:
     """The knobs with nulls (every knob, with ``auto``) chosen: the fastest estimated setting
-    that fits; with the device's memory unknown, the lightest setting the config allows."""
+    that fits; with the device's memory unknown, the lightest setting the config allows. An
+    explicit ``optimizer.resident_groups`` stays as given, with ``auto`` too (the rest is
+    searched around it); left null it is ``most_resident``'s."""
     ops, model = config.operators, config.model
     choices: list[Choice] = []
     n = knobs.tokens_per_device
@@ -187,8 +189,9 @@ def choose_knobs(config: Config, knobs: Knobs, platform: str, device_memory: int
                                                       optimizer_overlap=False))
             why = "nothing fits: the lightest setting"
     if best.optimizer_offload and config.optimizer.resident_groups is None:
-        best, why_resident = _most_resident(config, best, platform, device_memory, host_memory)
-        choices.append(Choice("optimizer.resident_groups", best.resident_groups, why_resident))
+        best = most_resident(config, best, platform, device_memory)
+        choices.append(Choice("optimizer.resident_groups", best.resident_groups,
+                              _resident_reason(config, best, device_memory)))
     if choose_budget:
         chunks = -(-n // best.token_budget)
         choices.append(Choice("operators.token_budget", best.token_budget,
@@ -225,45 +228,70 @@ def choose_knobs(config: Config, knobs: Knobs, platform: str, device_memory: int
     return best, choices
 
 
-def _most_resident(config: Config, knobs: Knobs, platform: str, device_memory: int | None,
-                   host_memory: int | None) -> tuple[Knobs, str]:
-    """``optimizer.resident_groups`` left null: the most groups whose state fits on the device
-    beside the step (more never slows a step: each group resident moves 24 bytes a parameter
-    less over the link a step, measured on an H200, h200-1 at 64K with all four on: 2.460,
-    2.147 and 1.706 s at 0, 4 and 8 of 8, against the standard stack's 1.602), and the reason.
-    Where the unrolled stack fits with none resident, only as many as keep it fitting: the
-    scanned stack would cost the stream's overlap (``plan.operators.choose_layer_loop``)."""
+def resident_limit(config: Config, device_memory: int | None) -> int | None:
+    """The device memory the resident groups are chosen against: the budget, but never more
+    than the device the config names (``device.memory_gib``): a budget lifted past the device
+    (``train.device_memory_gib``, to let XLA decide where a run stops) must not fill a
+    device it does not have with optimizer state."""
+    if device_memory is None or not config.device.memory_gib:
+        return device_memory
+    return min(device_memory, int(config.device.memory_gib * 2**30))
+
+
+def most_resident(config: Config, knobs: Knobs, platform: str,
+                  device_memory: int | None) -> Knobs:
+    """``knobs`` with ``optimizer.resident_groups`` left null filled: where the optimizer is
+    streamed, the most groups whose fp32 master and moments fit on the device beside the step
+    (against ``resident_limit``); else, or with the device's memory unknown, none. More never
+    slowed a step (each group resident moves 24 bytes a parameter less over the link a step;
+    measured on an H200, h200-1 at 64K with all four on: 2.460, 2.147 and 1.706 s at 0, 4 and
+    8 of 8, against the standard stack's 1.602). Where the unrolled stack fits with none
+    resident, only as many as keep it fitting: the scanned stack would cost the stream's
+    overlap (``plan.operators.choose_layer_loop``). The device alone decides: each group more
+    holds more of it and less of the host, so the most the device holds is the host's best
+    too (with a pinned-host cap set the host fits only from some count up, and a search over
+    both would not be monotone). An explicit count stays as given."""
+    if config.optimizer.resident_groups is not None or not knobs.optimizer_offload:
+        return knobs
+    limit = resident_limit(config, device_memory)
+    if limit is None:
+        return dataclasses.replace(knobs, resident_groups=0)
     model = config.model
     groups = 1 + model.num_layers - model.num_dense_layers
-    if device_memory is None:
-        return (dataclasses.replace(knobs, resident_groups=0),
-                "none: the device's memory is unknown")
     held = config
     unrolled = config.replace(operators={"layer_loop": "unrolled"})
     if (config.operators.layer_loop == "auto" and knobs.optimizer_overlap and platform == "gpu"
             and fits_in_memory(unrolled, dataclasses.replace(knobs, resident_groups=0),
-                               platform, device_memory, None)):
+                               platform, limit, None)):
         held = unrolled
-    # The device alone: each group more holds more of it (the most first, fitting only below
-    # some count), and less of the host, so the most the device holds is the host's best too.
-    # (With a pinned-host cap set, the host fits only from some count up: no monotone search
-    # over both.)
-    options = list(range(groups, -1, -1))
+    options = list(range(groups, -1, -1))  # the most first: the device fits below some count
     first = _first_true(options, lambda k: fits_in_memory(
-        held, dataclasses.replace(knobs, resident_groups=k), platform, device_memory, None))
-    count = 0 if first is None else options[first]
-    why = (f"{count} of {groups}: the most groups whose fp32 master and moments fit on the "
-           f"device beside the step (the weights outside the MoE stack, then one MoE layer a "
-           f"group); each moves 24 bytes a parameter less over the host link a step")
-    return dataclasses.replace(knobs, resident_groups=count), why
+        held, dataclasses.replace(knobs, resident_groups=k), platform, limit, None))
+    return dataclasses.replace(knobs, resident_groups=0 if first is None else options[first])
+
+
+def _resident_reason(config: Config, knobs: Knobs, device_memory: int | None) -> str:
+    model = config.model
+    groups = 1 + model.num_layers - model.num_dense_layers
+    limit = resident_limit(config, device_memory)
+    if limit is None:
+        return "none: the device's memory is unknown"
+    return (f"{knobs.resident_groups} of {groups}: the most groups whose fp32 master and "
+            f"moments fit beside the step in {limit / 2**30:.1f} GiB of device memory (the "
+            f"weights outside the MoE stack, then one MoE layer a group; never more than "
+            f"device.memory_gib, nor past what keeps the unrolled stack fitting); each moves 24 "
+            f"bytes a parameter less over the host link a step")
 
 
 def _lightest_fitting(config, base: Knobs, platform, device_memory, host_memory, chunk_options,
                       block_options, with_chunks) -> Knobs | None:
     """The setting with the fewest chunks and then the largest vocab block that fits (memory
-    falls as chunks rise and blocks shrink), or None."""
+    falls as chunks rise and blocks shrink), or None; each setting with its own resident groups
+    where they are left null (``most_resident``: more chunks leave the device room for more,
+    so the fit stays monotone)."""
     def fits(k):
-        return fits_in_memory(config, k, platform, device_memory, host_memory)
+        return fits_in_memory(config, most_resident(config, k, platform, device_memory),
+                              platform, device_memory, host_memory)
 
     lightest_block = dataclasses.replace(base, vocab_block=block_options[-1])
     chunks = _first_true(chunk_options, lambda c: fits(with_chunks(lightest_block, c)))
@@ -272,7 +300,8 @@ def _lightest_fitting(config, base: Knobs, platform, device_memory, host_memory,
     with_c = with_chunks(base, chunk_options[chunks])
     block = _first_true(block_options, lambda b: fits(dataclasses.replace(with_c,
                                                                           vocab_block=b)))
-    return dataclasses.replace(with_c, vocab_block=block_options[block])
+    return most_resident(config, dataclasses.replace(with_c, vocab_block=block_options[block]),
+                         platform, device_memory)
 
 
 def _first_true(options: list, predicate) -> int | None:

@@ -57,8 +57,7 @@ def make_plan(config: Config, num_devices: int, *, context: int | None = None,
                                                      device_memory, host_memory, platform,
                                                      rates)
         choices += mesh_choices
-    if (config.optimizer.resident_groups is not None and config.optimizer.resident_groups
-            and config.operators.optimizer_offload is not True):
+    if config.optimizer.resident_groups and config.operators.optimizer_offload is not True:
         choices.append(Choice(
             "optimizer.resident_groups", config.optimizer.resident_groups,
             "no effect: the optimizer is not streamed here (operators.optimizer_offload: "
@@ -156,7 +155,9 @@ def _lightest(config: Config, knobs: Knobs, auto: bool) -> Knobs:
         if config.optimizer.update_on != "host_cpu":  # its state is in host memory already
             knobs = dataclasses.replace(knobs, optimizer_offload=True, optimizer_overlap=False,
                                         bucket_params=min(knobs.bucket_params, 1_000_000),
-                                        slots=2, resident_groups=0)
+                                        slots=2,
+                                        # null: none, the lightest on the device; else as set
+                                        resident_groups=config.optimizer.resident_groups or 0)
     return knobs
 
 

@@ -94,7 +94,7 @@ MEMORY_FORMULAS: dict[str, str] = {
                                "other MoE layers' fp32 weight-gradient sums, made at once "
                                "before the first MoE backward (XLA:GPU's buffer assignment of "
                                "h200-1's overlapped step at 64K)",
-    "runtime_gpu": "6 GiB scanned, 6.5 unrolled, + 0.035 * pool, on a GPU: the trainer "
+    "runtime_gpu": "6.25 GiB scanned, 6.5 unrolled, + 0.035 * pool, on a GPU: the trainer "
                    "process's Python, jax, CUDA, cuDNN and compiled programs, and what grows "
                    "with the pinned-host pool (fitted to nine H200 runs: plan.host_pool)",
     "pinned_pool_growth": "pool - live: XLA's pinned-host pool grows by doubling regions over the "

@@ -145,8 +145,8 @@ class Trainer:
         self.mesh = mop.make_mesh(config.mesh)
         mop.check_model_fits_mesh(config, self.mesh)
         # The planner's closed-form bound before anything compiles: an infeasible config is
-        # refused with its table of terms; knobs left null (token_budget, vocab_block) are
-        # filled as planned.
+        # refused with its table of terms; knobs left null (token_budget, vocab_block,
+        # resident_groups) are filled as planned.
         self.plan = check_plan(config, self.mesh)
         self.config = config = self.plan.filled_config()
         self.runtime = runtime_for(config, self.mesh)
@@ -721,7 +721,10 @@ class Trainer:
     def optimizer_placement(self) -> str:
         """Where the optimizer's state lives and its update runs, in words."""
         if self.offloaded_optimizer:
-            return "offloaded"
+            model, resident = self.config.model, self.config.optimizer.resident_groups
+            groups = 1 + model.num_layers - model.num_dense_layers
+            return f"offloaded ({resident} of {groups} groups' state on the device)" if (
+                resident) else "offloaded"
         return "on the host CPU" if self.host_cpu_optimizer else "on device"
 
     def summary(self, history: list[dict], state: TrainState) -> dict:
