@@ -86,7 +86,18 @@ CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 """XLA:CPU's concurrency-optimized scheduler off: with it (jax 0.11.2's default) the trainer's
 gradient program with the ring loss, SCO offloading and PipelinedLLEP together gave wrong
 gradients on some executions of one executable, the loss right (docs/hf.md holds the record).
-XLA reads it once per process, before its backends start, so it is set here."""
+XLA reads it once per process, before its backends start, so it is set here; only on a machine
+without NVIDIA GPUs (``has_nvidia_gpus``). There the CPU backend runs no model program, only the
+host-CPU AdamW's update (``optimizer.update_on: host_cpu``), which the flag serializes: its
+schedule then chains a leaf's chunks one after another, 2 loops side by side where 16 may run
+(``tests/test_train_optimizer.py::test_a_leafs_chunks_run_side_by_side``)."""
+
+
+def has_nvidia_gpus() -> bool:
+    """Whether the machine shows an NVIDIA GPU device node (``/dev/nvidia0``, ...): read before
+    any backend starts."""
+    return any(name[len("nvidia"):].isdigit() for name in os.listdir("/dev")
+               if name.startswith("nvidia")) if os.path.isdir("/dev") else False
 
 GPU_HOST_COPIES_FLAG = "--xla_gpu_experimental_parallel_async_compute_limit=8"
 """How many host copies XLA:GPU's latency-hiding scheduler keeps in flight beside compute: 8,
@@ -102,14 +113,14 @@ and h200-e2e under it. A GPU flag: ignored by CPU backends; an XLA_FLAGS that se
 
 def prepare_environment() -> None:
     """Before jax's backends start: 8 simulated devices where the backend is the CPU (ignored by GPU
-    backends), XLA:CPU's concurrency-optimized scheduler off (``CPU_SCHEDULER_FLAG``; a CPU
-    flag, ignored by GPU backends too), 8 host copies in flight on a GPU
+    backends), XLA:CPU's concurrency-optimized scheduler off where the machine has no GPU
+    (``CPU_SCHEDULER_FLAG``), 8 host copies in flight on a GPU
     (``GPU_HOST_COPIES_FLAG``), and room for the largest baselines on a GPU (JAX reserves 75%
     by default)."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         flags = f"{flags} --xla_force_host_platform_device_count=8".strip()
-    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
+    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags and not has_nvidia_gpus():
         flags = f"{flags} {CPU_SCHEDULER_FLAG}"
     if "xla_gpu_experimental_parallel_async_compute_limit" not in flags:
         flags = f"{flags} {GPU_HOST_COPIES_FLAG}"

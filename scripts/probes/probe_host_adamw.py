@@ -50,6 +50,7 @@ import optax
 from jax import lax
 
 from peakflat_jax.bench import harness
+from peakflat_jax.cli import CPU_SCHEDULER_FLAG
 from peakflat_jax.config import OptimizerConfig
 from peakflat_jax.train.optimizer import HostCpuAdamW, hyperparams_at, with_hyperparams
 
@@ -165,7 +166,11 @@ def loops_side_by_side(program: str, shape, dtype: str = "bfloat16") -> dict:
              f"x = {{'w': p.jax.ShapeDtypeStruct({tuple(shape)!r}, {dtype!r})}}; "
              "c = o.lower(x, o.abstract_state(x)).compile(); "  # the one program compiled
              "print(json.dumps({'big': p.big_loops(c), **p.structure(c)}))")
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "thunk_executor=6"}
+    # As a GPU host's trainer compiles it: XLA:CPU's concurrency-optimized scheduler as jax
+    # leaves it (the trainer turns it off only where there is no GPU: cli.CPU_SCHEDULER_FLAG).
+    flags = os.environ.get("XLA_FLAGS", "").replace(CPU_SCHEDULER_FLAG, "")
+    env = {**os.environ, "XLA_FLAGS": flags, "TF_CPP_MIN_LOG_LEVEL": "0",
+           "TF_CPP_VMODULE": "thunk_executor=6"}
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
                           env=env, check=True)
     found = json.loads(done.stdout.strip().splitlines()[-1])
