@@ -27,6 +27,7 @@ says that it failed and why.
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib
 import json
 import os
@@ -96,8 +97,7 @@ schedule then chains a leaf's chunks one after another, 2 loops side by side whe
 def has_nvidia_gpus() -> bool:
     """Whether the machine shows an NVIDIA GPU device node (``/dev/nvidia0``, ...): read before
     any backend starts."""
-    return any(name[len("nvidia"):].isdigit() for name in os.listdir("/dev")
-               if name.startswith("nvidia")) if os.path.isdir("/dev") else False
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 GPU_HOST_COPIES_FLAG = "--xla_gpu_experimental_parallel_async_compute_limit=8"
 """How many host copies XLA:GPU's latency-hiding scheduler keeps in flight beside compute: 8,

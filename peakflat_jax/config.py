@@ -577,6 +577,12 @@ def _convert(hint, value, key: str):
     raise TypeError(f"{key}: unsupported field type {hint}")  # a bug in this module
 
 
+def optimizer_groups(model: ModelConfig) -> int:
+    """How many groups the streamed optimizer's layout has (``optimizer.resident_groups`` counts
+    them): the weights outside the MoE stack, then one per MoE layer."""
+    return 1 + model.num_layers - model.num_dense_layers
+
+
 def check_config(config: Config) -> Config:
     """Raises ConfigError naming the key for values that no mesh could run; returns config.
     (Whether the mesh divides the model is checked by ``peakflat_jax.mesh`` once the device
@@ -675,7 +681,7 @@ def check_config(config: Config) -> Config:
         raise ConfigError(f"optimizer.update_on: host_cpu runs in one process (its host state "
                           f"is one process's), got mesh.num_processes = "
                           f"{config.mesh.num_processes}")
-    num_groups = 1 + m.num_layers - m.num_dense_layers
+    num_groups = optimizer_groups(m)
     if opt.resident_groups is not None and not 0 <= opt.resident_groups <= num_groups:
         raise ConfigError(f"optimizer.resident_groups: expected an integer from 0 to "
                           f"{num_groups} (the weights outside the MoE stack, then each of its "

@@ -258,6 +258,19 @@ def grouped_step(opt, grads, state, write_back=True):
     return layout.merge_groups(leaves), opt.new_state(state, groups, scalars)
 
 
+def streamed_case(rng, mesh_axes, steps: int):
+    """AdamW streamed in buckets of 30 (clipped) over ``steps`` random gradients of the test
+    params (whole, or sharded over ``mesh_axes``), by the whole step: (params, the optimizer, the
+    gradients, the last step's new params, the state)."""
+    params = make_params(rng) if mesh_axes is None else sharded_params(rng, make_mesh(*mesh_axes))
+    opt = offload_stream(TRANSFORMATIONS["adamw"](), bucket_params=30, max_grad_norm=1.0)
+    grads = [random_grads(rng, params) for _ in range(steps)]
+    state = opt.init(params, stacked_layers=STACKED)
+    for g in grads:
+        new_params, state = opt.step(g, state)
+    return params, opt, grads, new_params, state
+
+
 def grouped_steps(opt, params, grads, write_back, **init_kwargs):
     """A fresh state stepped through ``grads`` by ``grouped_step`` in one jitted program (as
     inside a trainer's step): (the last step's new params, the state)."""
@@ -271,12 +284,7 @@ def grouped_steps(opt, params, grads, write_back, **init_kwargs):
 
 @pytest.mark.parametrize("mesh_axes", [None, (("data", 2), ("model", 4))])
 def test_updating_group_by_group_equals_the_whole_step_bit_for_bit(rng, mesh_axes):
-    params = make_params(rng) if mesh_axes is None else sharded_params(rng, make_mesh(*mesh_axes))
-    opt = offload_stream(TRANSFORMATIONS["adamw"](), bucket_params=30, max_grad_norm=1.0)
-    grads = [random_grads(rng, params) for _ in range(2)]
-    whole = opt.init(params, stacked_layers=STACKED)
-    for g in grads:
-        whole_params, whole = opt.step(g, whole)
+    params, opt, grads, whole_params, whole = streamed_case(rng, mesh_axes, steps=2)
 
     # One program for every group, as inside a trainer's step; written back as each bucket is
     # updated (the slot chain) or only once every group is (write_back=False).
@@ -370,12 +378,7 @@ def test_resident_groups_change_no_bit_and_move_only_the_streamed_bytes(rng, mes
     buckets' master and state each way, against the formula's count of the layout's buckets."""
     from peakflat_jax.optim.offload_stream import offload_stream_link_bytes
 
-    params = make_params(rng) if mesh_axes is None else sharded_params(rng, make_mesh(*mesh_axes))
-    opt = offload_stream(TRANSFORMATIONS["adamw"](), bucket_params=30, max_grad_norm=1.0)
-    grads = [random_grads(rng, params) for _ in range(3)]
-    streamed = opt.init(params, stacked_layers=STACKED)
-    for g in grads:
-        streamed_params, streamed = opt.step(g, streamed)
+    params, opt, grads, streamed_params, streamed = streamed_case(rng, mesh_axes, steps=3)
 
     state = opt.init(params, stacked_layers=STACKED, resident_groups=resident)
     layout = state.layout

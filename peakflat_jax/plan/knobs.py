@@ -8,7 +8,7 @@ import math
 import jax.numpy as jnp
 
 from peakflat_jax import mesh as mop
-from peakflat_jax.config import Config, ConfigError, offload_count
+from peakflat_jax.config import Config, ConfigError, offload_count, optimizer_groups
 from peakflat_jax.model.attention import (
     check_sequence_length,
     choose_implementation,
@@ -189,7 +189,7 @@ def choose_knobs(config: Config, knobs: Knobs, platform: str, device_memory: int
                                                       optimizer_overlap=False))
             why = "nothing fits: the lightest setting"
     if best.optimizer_offload and config.optimizer.resident_groups is None:
-        best = most_resident(config, best, platform, device_memory)
+        # Filled where a setting fits (_lightest_fitting); none in the lightest setting.
         choices.append(Choice("optimizer.resident_groups", best.resident_groups,
                               _resident_reason(config, best, device_memory)))
     if choose_budget:
@@ -256,8 +256,7 @@ def most_resident(config: Config, knobs: Knobs, platform: str,
     limit = resident_limit(config, device_memory)
     if limit is None:
         return dataclasses.replace(knobs, resident_groups=0)
-    model = config.model
-    groups = 1 + model.num_layers - model.num_dense_layers
+    groups = optimizer_groups(config.model)
     held = config
     unrolled = config.replace(operators={"layer_loop": "unrolled"})
     if (config.operators.layer_loop == "auto" and knobs.optimizer_overlap and platform == "gpu"
@@ -271,8 +270,7 @@ def most_resident(config: Config, knobs: Knobs, platform: str,
 
 
 def _resident_reason(config: Config, knobs: Knobs, device_memory: int | None) -> str:
-    model = config.model
-    groups = 1 + model.num_layers - model.num_dense_layers
+    groups = optimizer_groups(config.model)
     limit = resident_limit(config, device_memory)
     if limit is None:
         return "none: the device's memory is unknown"

@@ -45,7 +45,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from peakflat_jax import mesh as mop
-from peakflat_jax.config import Config, ConfigError, to_dict
+from peakflat_jax.config import Config, ConfigError, optimizer_groups, to_dict
 from peakflat_jax.model.attention import (
     check_sequence_length,
     choose_implementation,
@@ -721,10 +721,9 @@ class Trainer:
     def optimizer_placement(self) -> str:
         """Where the optimizer's state lives and its update runs, in words."""
         if self.offloaded_optimizer:
-            model, resident = self.config.model, self.config.optimizer.resident_groups
-            groups = 1 + model.num_layers - model.num_dense_layers
-            return f"offloaded ({resident} of {groups} groups' state on the device)" if (
-                resident) else "offloaded"
+            resident = self.config.optimizer.resident_groups
+            return (f"offloaded ({resident} of {optimizer_groups(self.config.model)} groups' "
+                    f"state on the device)" if resident else "offloaded")
         return "on the host CPU" if self.host_cpu_optimizer else "on device"
 
     def summary(self, history: list[dict], state: TrainState) -> dict:
