@@ -103,6 +103,16 @@ def _over(ratio: str):
     return pytest.mark.xfail(strict=True, reason=f"the plan is {ratio} the measured peak")
 
 
+BEFORE_ZEROS_FIX = pytest.mark.xfail(strict=True, reason=(
+    "measured before pipelined_moe._zeros_after (2026-12-03): that unrolled program made the "
+    "later MoE layers' fp32 weight-gradient sums all at once before the first MoE layer "
+    "((L_m - 1) 3 G H F 4, 9 GiB for h200-1), which today's does not (SESSION8's on64k_autoK: "
+    "62.38 GiB, 10.4 under the same run before the fix); the plan, which no longer counts them, "
+    "is under this old peak"))
+"""A measurement of a program the code no longer builds: strict, so a plan that counts the
+hoisted sums again (or a program that makes them again, measured anew) shows here."""
+
+
 SEGMENT_CAP_4 = {
     # (overrides of h200-1 as it is, the plan's program, the measured bytes)
     "all off, 16K, XLA's plan": (ALL_OFF + ["data.seq_len=16384"], "gradient",
@@ -118,10 +128,12 @@ SEGMENT_CAP_4 = {
                                         lambda: _run_peak(TRAIN_AUTO, "alone_ring")),
     # SCO alone at 64K was measured again after the scanned backward's barrier (sco.py), which
     # freed 4.1 GiB of it: that measurement replaces this one (SESSION3 below).
-    "all on, 64K, allocator peak": (ON_UNROLLED, "overlapped",
-                                    lambda: _run_peak(TRAIN_AUTO, "on_unrolled")),
-    "all on, 64K, 16 slots, allocator peak": (ON_UNROLLED + ["optimizer.slots=16"], "overlapped",
-                                              lambda: _run_peak(CHECKS, "on_slots16")),
+    "all on, 64K, allocator peak": pytest.param(
+        ON_UNROLLED, "overlapped", lambda: _run_peak(TRAIN_AUTO, "on_unrolled"),
+        marks=BEFORE_ZEROS_FIX),
+    "all on, 64K, 16 slots, allocator peak": pytest.param(
+        ON_UNROLLED + ["optimizer.slots=16"], "overlapped",
+        lambda: _run_peak(CHECKS, "on_slots16"), marks=BEFORE_ZEROS_FIX),
     "all on, 64K, 60 slots, allocator peak": pytest.param(
         ON_UNROLLED + ["optimizer.slots=60"], "overlapped",
         lambda: _run_peak(CHECKS, "on_slots60"), marks=_over("1.74x (XLA staged no more "
@@ -206,8 +218,9 @@ THIS_SESSION = {
     "h200-1 all off, 384K, XLA's plan": (
         "h200-1", ALL_OFF + ["data.seq_len=393216"], "gradient",
         lambda: _session_checked("plan_check_off_393216", "train_step")),
-    "h200-1 all on, 64K, allocator peak": ("h200-1", ON_UNROLLED, "overlapped",
-                                           lambda: _session_peak("on_fwd")),
+    "h200-1 all on, 64K, allocator peak": pytest.param(
+        "h200-1", ON_UNROLLED, "overlapped", lambda: _session_peak("on_fwd"),
+        marks=BEFORE_ZEROS_FIX),
     "h200-1 all on, write-back under the backward, allocator peak": pytest.param(
         "h200-1", ON_UNROLLED + ["operators.optimizer_writeback=backward"], "overlapped",
         lambda: _session_peak("on_bwd"), marks=_over("1.36x")),
@@ -303,6 +316,7 @@ SESSION2_RUNS = {
     "e2e_auto_262144": ("h200-e2e", E2E_AUTO_256K, "overlapped"),
 }
 SESSION2_DEVICE_OVER = {
+    "prof_on": None, "e2e_auto_262144": None,  # BEFORE_ZEROS_FIX
     "e2e_auto_131072": "1.29x (EP with the optimizer streamed, unrolled, at 128K: no dump of "
                        "it)",
 }
@@ -334,9 +348,10 @@ def _session2_plan(run: str, monkeypatch):
                      search_context=False), program
 
 
-@pytest.mark.parametrize("run", [pytest.param(run, marks=_over(SESSION2_DEVICE_OVER[run]))
-                                 if run in SESSION2_DEVICE_OVER else run
-                                 for run in SESSION2_RUNS])
+@pytest.mark.parametrize("run", [
+    pytest.param(run, marks=_over(SESSION2_DEVICE_OVER[run]) if SESSION2_DEVICE_OVER[run]
+                 else BEFORE_ZEROS_FIX) if run in SESSION2_DEVICE_OVER else run
+    for run in SESSION2_RUNS])
 def test_the_plan_bounds_the_device_peaks_of_the_e2e_session(run, monkeypatch):
     plan, program = _session2_plan(run, monkeypatch)
     measured = _session2_run(run)["peak_device_bytes"]
@@ -667,7 +682,7 @@ ALL_ON_UNROLLED = ["operators.moe_dispatch=pipelined", "operators.loss=ring",
                    "operators.layer_loop=unrolled"]
 SESSION5_RUNS = [
     # the record's run, its config and overrides
-    ("on64k_fwd", "h200-1", ALL_ON_UNROLLED),
+    pytest.param("on64k_fwd", "h200-1", ALL_ON_UNROLLED, marks=BEFORE_ZEROS_FIX),
     pytest.param("on64k_bwd", "h200-1",
                  ALL_ON_UNROLLED + ["operators.optimizer_writeback=backward"],
                  marks=pytest.mark.xfail(strict=True, reason="1.36x: the write-back under the "
@@ -778,15 +793,14 @@ ON_BACKWARD = ALL_ON_UNROLLED + ["operators.optimizer_writeback=backward"]
 OPT_ALONE = ALL_OFF + ["operators.optimizer_offload=true", "operators.layer_loop=unrolled"]
 SESSION6_RUNS = [
     # the record, its run, the overrides of h200-1 at 64K
-    (SESSION6, "on64k_fwd", ALL_ON_UNROLLED),
-    pytest.param(SESSION6, "on64k_bwd", ON_BACKWARD,
-                 marks=pytest.mark.xfail(strict=True, reason="1.25x: with 2 host copies in "
-                                         "flight XLA:GPU held less of the deferred write-back "
-                                         "at its peak (8 in flight: 1.03x, below)")),
+    pytest.param(SESSION6, "on64k_fwd", ALL_ON_UNROLLED, marks=BEFORE_ZEROS_FIX),
+    # With 2 host copies in flight XLA:GPU held less of the deferred write-back at its peak:
+    # 1.25x with the hoisted sums counted, within 1.2x since (the program held them too).
+    (SESSION6, "on64k_bwd", ON_BACKWARD),
     (SESSION6, "opt64k", OPT_ALONE),
     (SESSION6, "base64k", []),
-    (SESSION6_LIMIT, "on64k_bwd_l8", ON_BACKWARD),
-    (SESSION6_LIMIT, "on64k_bwd_l32", ON_BACKWARD),
+    pytest.param(SESSION6_LIMIT, "on64k_bwd_l8", ON_BACKWARD, marks=BEFORE_ZEROS_FIX),
+    pytest.param(SESSION6_LIMIT, "on64k_bwd_l32", ON_BACKWARD, marks=BEFORE_ZEROS_FIX),
     (SESSION6_LIMIT, "opt64k_bwd", OPT_ALONE + ["operators.optimizer_writeback=backward"]),
     (SESSION6_LIMIT, "base64k", []),
 ]
@@ -834,7 +848,8 @@ SESSION7_RUNS = {
 }
 
 
-@pytest.mark.parametrize("run", SESSION7_RUNS)
+@pytest.mark.parametrize("run", [pytest.param(run, marks=BEFORE_ZEROS_FIX)
+                                 if run.startswith("res") else run for run in SESSION7_RUNS])
 def test_the_plan_bounds_the_peaks_of_the_seventh_session(run, monkeypatch):
     """The 2026-12-03 driver's trained runs (the resident sweep at 64K, the standard stack at
     64K and at its largest context): the allocator's peak and the host's VmHWM at or under the
@@ -868,3 +883,82 @@ def test_the_standard_stack_trains_its_planned_largest_context_and_not_1p1x():
     plan = make_plan(load_config("h200-1", ALL_OFF + ["data.seq_len=652110"]), 1,
                      platform="gpu", baseline=False, search_context=False, **DEVICE)
     assert xla_total <= plan.programs["gradient"] <= 1.2 * xla_total
+
+
+SESSION8 = RESULTS / "h200_session_gpu_20261203-130600.json"
+ON = ALL_ON_UNROLLED[:-1]  # the four forced on, the layer loop left to the planner
+E2E_8X = ["data.seq_len=540672", "operators.moe_dispatch=pipelined", "operators.token_budget=56292",
+          "operators.loss=ring", "operators.offload=none", "operators.optimizer_offload=true",
+          "optimizer.resident_groups=0", "operators.layer_loop=scan"]
+SESSION8_RUNS = [
+    # run, config, overrides (the resident count as each run's banner gave it), what is over
+    ("on64k_autoK", "h200-1", ON + ["optimizer.resident_groups=8"], None),
+    ("pgle_profiled", "h200-1", ON_BACKWARD + ["optimizer.resident_groups=0"], None),
+    ("pgle_used", "h200-1", ON_BACKWARD + ["optimizer.resident_groups=0"], None),
+    ("hostcpu64k", "h200-e2e", ALL_OFF + ["data.seq_len=65536", "optimizer.update_on=host_cpu"],
+     None),
+    ("auto64k", "h200-e2e", ["data.seq_len=65536", "operators.moe_dispatch=ep",
+                             "operators.loss=ring", "operators.offload=all",
+                             "operators.optimizer_offload=false"], None),
+    ("on512k_autoK", "h200-1", ON + ["data.seq_len=524288", "optimizer.resident_groups=4"],
+     "1.33x: XLA:GPU held none of the dense FFN's four [N, F_d] (32 GiB) under the attention's "
+     "backward, where the plan counts them below the device's memory"),
+    ("e2e_8x", "h200-e2e", E2E_8X, "1.31x: h200-e2e's dense layer, as on512k_autoK"),
+]
+
+
+@pytest.mark.parametrize("run, config, overrides", [
+    pytest.param(run, config, overrides, marks=_over(over) if over else ())
+    for run, config, overrides, over in SESSION8_RUNS])
+def test_the_plan_bounds_the_peaks_after_the_zeros_fix(run, config, overrides, monkeypatch):
+    """The 2026-12-03 13:06 driver's trained runs, the first of programs without the MoE
+    layers' hoisted zeros (pipelined_moe._zeros_after): the allocator's peak at or under the
+    plan and the plan within 1.2x of it (each run's plan against the device's memory; the
+    host-CPU stack's checks were lifted, as its run lifted them)."""
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+    measured = json.loads(SESSION8.read_text())["runs"][run]
+    assert len(measured["losses"]) in (3, 5) and all(map(math.isfinite, measured["losses"]))
+    plan = make_plan(config_module.load_config(config, overrides), 1, platform="gpu",
+                     baseline=False, search_context=False, **DEVICE)
+    assert measured["peak_device_bytes"] <= plan.total_bytes <= 1.2 * measured["peak_device_bytes"]
+
+
+@pytest.mark.parametrize("run, config, overrides", [
+    (run, config, overrides) for run, config, overrides, _ in SESSION8_RUNS])
+def test_the_host_plan_bounds_the_resident_memory_after_the_zeros_fix(run, config, overrides,
+                                                                      monkeypatch):
+    """The same runs' VmHWM at or under the host plan, and the plan within 1.2x of it."""
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+    measured = json.loads(SESSION8.read_text())["runs"][run]["host_peak_bytes"]
+    plan = make_plan(config_module.load_config(config, overrides), 1, platform="gpu",
+                     baseline=False, search_context=False, **DEVICE)
+    assert measured <= plan.host_bytes <= 1.2 * measured
+
+
+def test_the_planner_keeps_every_group_resident_at_64k():
+    """Left to the planner, h200-1 all four on at 64K keeps all 8 groups' state on the device
+    (the run's host, 8.27 GiB, held none of it), as on64k_autoK trained."""
+    plan = make_plan(config_module.load_config("h200-1", ON), 1, platform="gpu", baseline=False,
+                     search_context=False, **DEVICE)
+    assert plan.knobs.resident_groups == 8
+    assert json.loads(SESSION8.read_text())["runs"]["on64k_autoK"]["host_peak_bytes"] < 9 * 2**30
+
+
+def test_all_four_at_698k_compile_under_the_plan_without_the_hoisted_zeros():
+    """All four on at 698,002 tokens (no group resident), compiled only: XLA:GPU's plan of the
+    overlapped step fell from 124.15 GiB to 105.58 with the MoE loop zeros made per layer
+    (pipelined_moe._zeros_after); its live ranges (..._on698k_zeros_20261203.tgz) hold no fp32
+    weight-gradient sum but the layer's own. The closed form bounds it, at 1.36x: its peak is
+    the dense layer's attention backward with the FFN's four [N, F_d] (42.6 GiB) held, which
+    XLA:GPU does not hold at this context (issue 25's open part)."""
+    runs = json.loads(SESSION8.read_text())["runs"]
+    (line,) = [line for line in runs["dump698k"]["log_tail"] if "overlapped_step" in line
+               and "holds" in line]
+    xla_total = float(line.split("|")[1].split()[-1]) * 2**30
+    before = [line for line in json.loads(SESSION7.read_text())["runs"]["dump698k"]["log_tail"]
+              if "overlapped_step" in line and "holds" in line]
+    assert xla_total < float(before[0].split("|")[1].split()[-1]) * 2**30 - 18 * 2**30
+    plan = make_plan(load_config("h200-1", ON + ["data.seq_len=698002"]), 1, platform="gpu",
+                     baseline=False, search_context=False, **DEVICE)
+    assert xla_total <= plan.programs["overlapped"]
+    assert plan.programs["overlapped"] > 1.2 * xla_total  # the over-count still to remove

@@ -192,24 +192,6 @@ def _e2e(context: int):
                      device_memory=int(132.8 * GIB), host_memory=125 * GIB)
 
 
-def test_an_unrolled_loop_that_does_not_fit_is_scanned():
-    """h200-e2e at 288K on an H200: with the optimizer streamed and the plan's knobs, the
-    unrolled loop's hoisted weight-gradient sums do not fit and the scanned loop does: the plan
-    scans, and it fits. Scoring the candidates with the loop unresolved (as unrolled) left no
-    setting that fit (at 256K then; EP's one-chunk terms on a GPU now fit 256K unrolled)."""
-    from peakflat_jax.plan.programs import program_bytes
-    from peakflat_jax.plan.terms import plan_terms
-
-    plan = _e2e(294912)
-    assert plan.feasible and plan.knobs.optimizer_overlap
-    assert plan.config.operators.layer_loop == "scan"
-    unrolled = plan.config.replace(operators={"layer_loop": "unrolled"})
-    needs = max(program_bytes(plan_terms(unrolled, plan.knobs, platform="gpu")).values())
-    assert needs > 132.8 * GIB >= plan.total_bytes
-    why = next(c.why for c in plan.choices if c.key == "operators.layer_loop")
-    assert "unrolled step does not fit" in why
-
-
 def test_every_context_below_the_largest_fits():
     """The largest context is searched by bisection, which assumes that a fit implies every
     smaller one fits: the operators' choice keeps it so (sampled every 64K)."""

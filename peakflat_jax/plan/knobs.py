@@ -245,9 +245,7 @@ def most_resident(config: Config, knobs: Knobs, platform: str,
     (against ``resident_limit``); else, or with the device's memory unknown, none. More never
     slowed a step (each group resident moves 24 bytes a parameter less over the link a step;
     measured on an H200, h200-1 at 64K with all four on: 2.460, 2.147 and 1.706 s at 0, 4 and
-    8 of 8, against the standard stack's 1.602). Where the unrolled stack fits with none
-    resident, only as many as keep it fitting: the scanned stack would cost the stream's
-    overlap (``plan.operators.choose_layer_loop``). The device alone decides: each group more
+    8 of 8, against the standard stack's 1.602). The device alone decides: each group more
     holds more of it and less of the host, so the most the device holds is the host's best
     too (with a pinned-host cap set the host fits only from some count up, and a search over
     both would not be monotone). An explicit count stays as given."""
@@ -257,15 +255,9 @@ def most_resident(config: Config, knobs: Knobs, platform: str,
     if limit is None:
         return dataclasses.replace(knobs, resident_groups=0)
     groups = optimizer_groups(config.model)
-    held = config
-    unrolled = config.replace(operators={"layer_loop": "unrolled"})
-    if (config.operators.layer_loop == "auto" and knobs.optimizer_overlap and platform == "gpu"
-            and fits_in_memory(unrolled, dataclasses.replace(knobs, resident_groups=0),
-                               platform, limit, None)):
-        held = unrolled
     options = list(range(groups, -1, -1))  # the most first: the device fits below some count
     first = _first_true(options, lambda k: fits_in_memory(
-        held, dataclasses.replace(knobs, resident_groups=k), platform, limit, None))
+        config, dataclasses.replace(knobs, resident_groups=k), platform, limit, None))
     return dataclasses.replace(knobs, resident_groups=0 if first is None else options[first])
 
 
@@ -277,7 +269,7 @@ def _resident_reason(config: Config, knobs: Knobs, device_memory: int | None) ->
     return (f"{knobs.resident_groups} of {groups}: the most groups whose fp32 master and "
             f"moments fit beside the step in {limit / 2**30:.1f} GiB of device memory (the "
             f"weights outside the MoE stack, then one MoE layer a group; never more than "
-            f"device.memory_gib, nor past what keeps the unrolled stack fitting); each moves 24 "
+            f"device.memory_gib); each moves 24 "
             f"bytes a parameter less over the host link a step")
 
 

@@ -103,7 +103,7 @@ def choose_operators(config: Config, num_devices: int, *, context: int | None,
                                 auto=False, rates=rates)
         # Scored with its layer loop as it will be resolved (a loop left auto: the one that
         # fits, choose_layer_loop); returned with the loop still auto, for make_plan to name.
-        scored, _ = choose_layer_loop(candidate, knobs, platform, device_memory)
+        scored, _ = choose_layer_loop(candidate, knobs, platform)
         terms = step_terms(scored, knobs, platform=platform)
         plan = Plan(scored, knobs, platform, terms, device_memory, host_memory,
                     step_seconds=step_seconds(scored, knobs, rates))
@@ -121,17 +121,16 @@ def choose_operators(config: Config, num_devices: int, *, context: int | None,
                                   for name, value in chosen.items()]
 
 
-def choose_layer_loop(config: Config, knobs, platform: str,
-                      device_memory: int | None = None) -> tuple[Config, list[Choice]]:
+def choose_layer_loop(config: Config, knobs, platform: str) -> tuple[Config, list[Choice]]:
     """``operators.layer_loop: auto`` resolved for a config whose operators are chosen:
     ``unrolled`` where the offloaded optimizer's update runs inside the next step's forward
     (XLA overlaps host copies with compute in straight-line code, not across a while loop's
     iterations, and a scanned stack's stacked weights wait for every bucket: on an H200 h200-1
-    stepped in 1.83 s unrolled against 2.96 s scanned, docs/compile.md) unless, with
-    ``device_memory`` given, the unrolled step does not fit it and the scanned one does (XLA:GPU
-    makes every unrolled MoE layer's fp32 weight-gradient sums at once: docs/plan.md); else
-    ``scan`` (one layer compiled whatever the depth); always ``scan`` on CPUs, where the host
-    copies lower to nothing. ``knobs``: the plan's."""
+    stepped in 1.83 s unrolled against 2.96 s scanned, docs/compile.md); else ``scan`` (one
+    layer compiled whatever the depth); always ``scan`` on CPUs, where the host copies lower to
+    nothing. The two hold the same device memory on a GPU (the unrolled stack's hoisted MoE
+    loop zeros are gone since ``pipelined_moe._zeros_after``: docs/plan.md), so the loop is
+    never chosen for memory. ``knobs``: the plan's."""
     if config.operators.layer_loop != "auto":
         return config, []
     # Offloaded, overlapped, with MoE layers to hide under, on a machine with host copies.
@@ -141,17 +140,6 @@ def choose_layer_loop(config: Config, knobs, platform: str,
            "code (compile time grows with depth)" if overlapped
            else "chosen: no optimizer stream to overlap here; one layer compiled whatever the "
                 "depth")
-    if overlapped and device_memory is not None:
-        from peakflat_jax.plan.programs import fits_in_memory
-
-        def fits(loop: str) -> bool:
-            return fits_in_memory(config.replace(operators={"layer_loop": loop}), knobs,
-                                  platform, device_memory, None)
-
-        if not fits("unrolled") and fits("scan"):
-            loop = "scan"
-            why = ("chosen: the unrolled step does not fit the device (XLA:GPU makes every MoE "
-                   "layer's fp32 weight-gradient sums at once there), the scanned one does")
     return config.replace(operators={"layer_loop": loop}), [Choice("operators.layer_loop",
                                                                    loop, why)]
 

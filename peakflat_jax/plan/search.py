@@ -9,7 +9,13 @@ import math
 from peakflat_jax.config import Config, to_dict
 from peakflat_jax.model.attention import sequence_multiple
 from peakflat_jax.plan.errors import PlanError
-from peakflat_jax.plan.knobs import block_choices, choose_knobs, chunk_choices, knobs_from_config
+from peakflat_jax.plan.knobs import (
+    block_choices,
+    choose_knobs,
+    chunk_choices,
+    knobs_from_config,
+    most_resident,
+)
 from peakflat_jax.plan.operators import (
     capable_variants,
     choose_layer_loop,
@@ -66,7 +72,7 @@ def make_plan(config: Config, num_devices: int, *, context: int | None = None,
     knobs, knob_choices = choose_knobs(config, knobs, platform, device_memory, host_memory,
                                        auto=auto, rates=rates)
     choices += knob_choices
-    config, loop_choices = choose_layer_loop(config, knobs, platform, device_memory)
+    config, loop_choices = choose_layer_loop(config, knobs, platform)
     choices += loop_choices
     terms = step_terms(config, knobs, platform=platform)
     largest = base = None
@@ -103,7 +109,10 @@ def largest_context(config: Config, num_devices: int, *, device_memory: int,
     """The largest context (a multiple of mesh.seq, and of what the attention kernel trains:
     ``model.attention.sequence_multiple``) whose step fits, at the batch size of
     ``knobs`` (default the config's): with the knobs' fixed settings and null knobs at their
-    lightest (with ``auto``: every knob at its lightest). None when none fits."""
+    lightest (with ``auto``: every knob at its lightest), and the streamed optimizer's resident
+    groups, left null, as many as the device holds (``most_resident``: each one moves its state
+    from the host to the device, so none is not the lightest for both; the device's count is
+    the host's best too). None when none fits."""
     if knobs is None:
         knobs = knobs_from_config(config, num_devices, platform=platform)
     step = knobs.seq * (knobs.num_devices // math.gcd(knobs.num_devices,
@@ -114,7 +123,7 @@ def largest_context(config: Config, num_devices: int, *, device_memory: int,
         k = knobs_from_config(config, num_devices, context=context,
                               batch_size=knobs.batch_size, platform=platform)
         k = dataclasses.replace(k, data=knobs.data, seq=knobs.seq)
-        lightest = _lightest(config, k, auto)
+        lightest = most_resident(config, _lightest(config, k, auto), platform, device_memory)
         return fits_in_memory(config, lightest, platform, device_memory, host_memory)
 
     return _largest_multiple(fits, step, most=2**40 // step)
@@ -156,7 +165,8 @@ def _lightest(config: Config, knobs: Knobs, auto: bool) -> Knobs:
             knobs = dataclasses.replace(knobs, optimizer_offload=True, optimizer_overlap=False,
                                         bucket_params=min(knobs.bucket_params, 1_000_000),
                                         slots=2,
-                                        # null: none, the lightest on the device; else as set
+                                        # null: none, the lightest on the device (the
+                                        # searches fill it: most_resident); else as set
                                         resident_groups=config.optimizer.resident_groups or 0)
     return knobs
 
@@ -227,11 +237,13 @@ def _safe_knobs(config, num_devices, context, batch, platform) -> Knobs | None:
 
 def _largest_batch(config, num_devices, context, data, device_memory, host_memory,
                    platform) -> int | None:
-    """The most sequences (a multiple of data) whose lightest setting fits at ``context``."""
+    """The most sequences (a multiple of data) whose lightest setting fits at ``context`` (the
+    resident groups as in ``largest_context``)."""
     def fits(batch):
         knobs = _safe_knobs(config, num_devices, context, batch, platform)
         return knobs is not None and (device_memory is None or fits_in_memory(
-            config, _lightest(config, knobs, True), platform, device_memory, host_memory))
+            config, most_resident(config, _lightest(config, knobs, True), platform,
+                                  device_memory), platform, device_memory, host_memory))
 
     if device_memory is None:
         batch = -(-config.data.batch_size // data) * data

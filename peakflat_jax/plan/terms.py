@@ -90,10 +90,6 @@ MEMORY_FORMULAS: dict[str, str] = {
                            "all live at XLA's peak, a MoE layer's attention backward, in its "
                            "buffer assignment of h200-1 all off at 443,720 tokens, V' = 260; "
                            "counted only pressed)",
-    "moe.hoisted_weight_sums": "(L_m - 1) * 3 * G * H * F * 4 on a GPU, layers unrolled: the "
-                               "other MoE layers' fp32 weight-gradient sums, made at once "
-                               "before the first MoE backward (XLA:GPU's buffer assignment of "
-                               "h200-1's overlapped step at 64K)",
     "runtime_gpu": "6.25 GiB scanned, 6.5 unrolled, + 0.035 * pool, on a GPU: the trainer "
                    "process's Python, jax, CUDA, cuDNN and compiled programs, and what grows "
                    "with the pinned-host pool (fitted to nine H200 runs: plan.host_pool)",
@@ -619,13 +615,6 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
                                 "expert_ffn": MEMORY_FORMULAS["moe.expert_ffn_gpu"]}
             terms += [(f"moe.{key}", value, "layer/ffn", formulas[key])
                       for key, value in moe.items()]
-            if platform == "gpu" and _unrolled(config, knobs):
-                # Unrolled, XLA:GPU makes the fp32 weight-gradient sums of every MoE layer at
-                # once (one fusion of their zeros, before the first MoE layer's backward).
-                terms.append(("moe.hoisted_weight_sums",
-                              (config.model.num_layers - config.model.num_dense_layers - 1)
-                              * moe["weight_sum"], "layer",
-                              MEMORY_FORMULAS["moe.hoisted_weight_sums"]))
         candidates.append((phase_total(terms, "layer"), kind, terms))
     if not candidates:
         return []
@@ -637,15 +626,6 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
 # What XLA:GPU's buffer assignment gave cuDNN's attention backward beyond the R-fold arrays
 # (h200-1, jax 0.11.2, 2026-12-01): the graph's fixed scratch, the forward's whole workspace.
 CUDNN_FIXED_SCRATCH = 17_152
-
-
-def _unrolled(config: Config, knobs: Knobs) -> bool:
-    """Whether the terms count the layers unrolled: ``operators.layer_loop: unrolled``, or a
-    loop left ``auto`` with the overlapped optimizer (the larger of the two;
-    ``plan.operators.choose_layer_loop`` resolves ``auto`` before a plan's own terms, scanning
-    where the unrolled step does not fit, and ``fits_in_memory`` accepts either)."""
-    loop = config.operators.layer_loop
-    return loop == "unrolled" or (loop == "auto" and knobs.optimizer_overlap)
 
 
 def packed_attention_runs(config: Config) -> int:
