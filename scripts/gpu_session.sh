@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs of a session, as the stages of one detached driver on nvidia-h200 (~22 min as
-# estimated from the walls of 2026-12-03's driver; a lease is 30 min of device time with ~3 to
+# estimated from the walls of 2026-12-03's drivers; a lease is 30 min of device time with ~3 to
 # start the machine), the decisive ones first, each with its own limit; logs and records under
 # $LOGS as they go. The trainer adds its own XLA flags to any XLA_FLAGS a stage sets
 # (cli.prepare_environment).
@@ -21,26 +21,23 @@
 # left null, the planner would keep every group on a device it believes is 1 PB.
 #
 # What each stage answers:
-#   dump698k     issue 25: all four on at 698,002 (K = 0), compiled only, its buffer assignment
-#                dumped: XLA was 124.15 GiB on 2026-12-03 with 25 GiB of MoE loop zeros made
-#                before the first layer; pipelined_moe._zeros_after removes them (not measured)
-#   e2e_8x       issue 27: h200-e2e at 540,672 tokens (8.02x the host-CPU placement's planned
-#                longest, 67,414), auto's choice at 506,628 held, 3 steps (on 2026-12-03 it
-#                compiled at 104.09 GiB and ran 1 step of 141.6 s before the lease was lost)
-#   hostcpu_probe issue 27: the host-CPU AdamW's rate on the 16-core host, chunked (all cores)
-#                against the previous program (scripts/probes/probe_host_adamw.py)
-#   hostcpu64k   issue 27: h200-e2e's standard stack with AdamW on the host CPU at 65,536
-#                (44.2 s a step on 2026-12-02, ~43 s of it the update, host 124.62 GiB resident),
-#                now chunked; both checks lifted (its host plan, 125.4 GiB, is past the 124.8
-#                the machine has at the start, where the same run held 124.62)
-#   auto64k      issue 27's ratio in the same lease: ours (auto) at 65,536 (3.140 s, 2026-12-02)
-#   on64k_autoK  issue 26: h200-1 at 64K, all four forced on, the resident groups left to the
-#                planner (it keeps all 8: 1.706 s measured with K = 8 set by hand; the standard
-#                stack 1.602 s on 2026-12-03)
-#   on512k_autoK issues 25/26: the same at 524,288, where the planner's count (4 of 8) fills
-#                the device to 128.35 of 132.8 GiB planned: does it fit, and how fast
-#   pgle_*       issue 26: XLA's latency-hiding scheduler given a measured profile of the step
-#                (jax's AOT compile takes no PGLE: the profile goes in by XLA flag), K = 0
+#   slop524k     issue 25: is XLA:GPU's scheduler memory limit the switch for the dense FFN's
+#                four [N, F_d] under the attention's backward? h200-1 all four on at 524,288
+#                (K = 4), compiled only, with the limit's slop factor raised from 95 to 130
+#                (the limit then passes the 128.35 GiB the plan counts with them held): XLA
+#                96.81 GiB at the default (2026-12-03, none held); ~128 here if the limit is it
+#   on384k, on524k  issue 25: the same at the default limit, compiled only, K = 0. The limit
+#                is (base - arguments) x 0.95 past the arguments; with base 80% of the H200's
+#                140.4 GiB that is ~107 GiB of the program, with the allocator's 133.4 ~127.
+#                At 524,288, K = 0 the program with the four held is ~114 (the plan 113.8):
+#                held says the allocator's limit, not held 80%; at 384K (plan 91.2) both hold
+#   base64k, on64k_autoK  issue 26: the standard stack and all four forced on (the planner's
+#                resident count) at 64K in one lease (1.602 and 1.685 s in two leases)
+#   on592k       issue 26: all four forced on at the standard stack's largest (592,826; the
+#                standard stack 31.06 s there, 2026-12-03), the planner's resident count
+#   on889k       issue 26: all four on at 1.5x the standard stack's largest (889,240), where it
+#                does not fit; the device check lifted (the plan's 634,548 is 1.36x XLA at
+#                698,002), K = 0, 3 steps
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -68,66 +65,24 @@ ALL_ON=(operators.moe_dispatch=pipelined operators.loss=ring operators.offload=a
         operators.optimizer_offload=true)
 unbounded=(train.device_memory_gib=1000000 train.host_memory_gib=1000000)
 sixty4=(train.steps=5 train.profile_steps=2 "${nc[@]}")
-# 1. The MoE loop zeros at 698,002 (compiled only).
-rm -rf /tmp/xla-dump
-XLA_FLAGS="--xla_dump_to=/tmp/xla-dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=overlapped" \
-  run dump698k 240 "${plan[@]}" h200-1 data.seq_len=698002 "${ALL_ON[@]}" \
-  optimizer.resident_groups=0 "${unbounded[@]}" --check
-(cd /tmp/xla-dump && tar -czf "$LOGS/xla_dump_h200-1_on698k.tgz" \
-  $(ls | grep -E "overlapped.*after_optimizations-(live-range|buffer-assignment)\.txt" | head -2)) 2>/dev/null
-rm -rf /tmp/xla-dump
-# 2. h200-e2e at 540,672, 3 steps, the host sampled each second.
-sample() { while sleep 1; do p=$(pgrep -f "^python3 -m peakflat_jax.cli train h200-e2e" | head -1)
-  echo "$(date +%s) $(grep -h -E 'VmRSS|VmHWM' /proc/$p/status 2>/dev/null | tr -s ' ' | tr '\n' ' ') $(grep MemAvailable /proc/meminfo | tr -s ' ')"
-  done > "$LOGS/e2e_8x_mem.log"; }
-sample & sampler=$!
-run e2e_8x 720 "${train[@]}" h200-e2e data.seq_len=540672 operators.moe_dispatch=pipelined \
-  operators.token_budget=56292 operators.loss=ring operators.offload=none \
-  operators.optimizer_offload=true optimizer.resident_groups=0 operators.layer_loop=scan \
-  train.steps=3 train.device_memory_gib=1000000 "${nc[@]}" --run-dir /tmp/r3
-kill $sampler
-python3 scripts/host_samples.py "$LOGS/e2e_8x_mem.log" > "$LOGS/e2e_8x_host.json" 2>&1
-keep /tmp/r3 e2e_8x
-# 3. The host-CPU AdamW: its rate, then the standard stack's step with it, then ours beside it.
-GLIBC_TUNABLES=glibc.malloc.hugetlb=1 run hostcpu_probe 150 python3 \
-  scripts/probes/probe_host_adamw.py --sizes 1.1e8 --leaf 5.5e7 --cols 1536 --dtypes bfloat16 \
-  --repeats 5 --machine "H200 host" --out-dir "$LOGS"
-run hostcpu64k 330 "${train[@]}" h200-e2e data.seq_len=65536 "${ALL_OFF[@]}" \
-  optimizer.update_on=host_cpu "${unbounded[@]}" train.steps=3 "${nc[@]}" \
-  --run-dir /tmp/r2
-keep /tmp/r2 hostcpu64k
-run auto64k 240 "${train[@]}" h200-e2e data.seq_len=65536 train.steps=3 "${nc[@]}" \
-  --run-dir /tmp/r2
-keep /tmp/r2 auto64k
-# 4. h200-1 at 64K: all four forced on with the planner's resident groups, and the standard stack.
+check_on() {  # check_on NAME LIMIT CONTEXT [K]: all four on, compiled only (plan --check)
+  run "$1" "$2" "${plan[@]}" h200-1 "data.seq_len=$3" "${ALL_ON[@]}" \
+    "optimizer.resident_groups=${4:-0}" "${unbounded[@]}" --check
+}
+# 1. Issue 25: the scheduler's memory limit, then where the switch falls.
+XLA_FLAGS="--xla_gpu_memory_limit_slop_factor=130" check_on slop524k 240 524288 4
+check_on on384k 200 393216
+check_on on524k 240 524288
+# 2. Issue 26 at 64K, both stacks in one lease.
+run base64k 200 "${train[@]}" h200-1 "${sixty4[@]}" --run-dir /tmp/r1
+keep /tmp/r1 base64k
 run on64k_autoK 200 "${train[@]}" h200-1 "${ALL_ON[@]}" "${sixty4[@]}" --run-dir /tmp/r1
 keep /tmp/r1 on64k_autoK
-# Where the count stops at the device's edge (the plan keeps 4 of 8 at 128.35 of 132.8 GiB):
-# nothing bounds the resident updates' temporaries yet, so this is the check that the count
-# the planner fills the device with fits.
-run on512k_autoK 300 "${train[@]}" h200-1 "${ALL_ON[@]}" data.seq_len=524288 train.steps=3 \
-  "${nc[@]}" --run-dir /tmp/r1
-keep /tmp/r1 on512k_autoK
-# 5. PGLE by hand: a profiled run's trace to XLA's profile proto, then the same run compiled with it.
-bwd=(h200-1 "${ALL_ON[@]}" operators.layer_loop=unrolled operators.optimizer_writeback=backward
-     optimizer.resident_groups=0)
-run pgle_profiled 200 "${train[@]}" "${bwd[@]}" "${sixty4[@]}" --run-dir /tmp/r4
-python3 -c "
-import glob, sys
-from jax.experimental.profiler import get_profiled_instructions_proto
-runs = sorted(glob.glob('/tmp/r4/profile/plugins/profile/*/'))
-if not runs:
-    sys.exit('no trace under /tmp/r4/profile/plugins/profile/')
-proto = get_profiled_instructions_proto(runs[-1])
-if not proto:
-    sys.exit('the profile proto is empty')
-open('$LOGS/pgle_profile.pb', 'wb').write(proto)
-print('profile proto', len(proto), 'bytes from', runs[-1])" > "$LOGS/pgle_proto.log" 2>&1 \
-  && echo "=== pgle_proto ok" || echo "=== pgle_proto failed: $(tail -1 "$LOGS/pgle_proto.log")"
-keep /tmp/r4 pgle_profiled
-if [ -s "$LOGS/pgle_profile.pb" ]; then
-  XLA_FLAGS="--xla_gpu_pgle_profile_file_or_directory_path=$LOGS/pgle_profile.pb" \
-    run pgle_used 200 "${train[@]}" "${bwd[@]}" "${sixty4[@]}" --run-dir /tmp/r4
-  keep /tmp/r4 pgle_used
-fi
+# 3. Issue 26 at the standard stack's largest and at 1.5x it.
+run on592k 330 "${train[@]}" h200-1 "${ALL_ON[@]}" data.seq_len=592826 train.steps=3 "${nc[@]}" \
+  --run-dir /tmp/r2
+keep /tmp/r2 on592k
+run on889k 540 "${train[@]}" h200-1 "${ALL_ON[@]}" data.seq_len=889240 optimizer.resident_groups=0 \
+  train.steps=3 train.device_memory_gib=1000000 "${nc[@]}" --run-dir /tmp/r2
+keep /tmp/r2 on889k
 echo "=== all done $(date -Is)"
