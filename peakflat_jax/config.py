@@ -310,9 +310,8 @@ class OperatorsConfig:
     whatever the depth; ``unrolled`` traces every layer (compile time grows with depth), and XLA
     overlaps host copies with the layers' compute only there; ``auto``: ``unrolled`` where the
     offloaded optimizer is overlapped with the forward on a GPU (on an H200, h200-1 stepped in
-    1.83 s unrolled against 2.96 s scanned) and the unrolled step fits the device (XLA:GPU makes
-    every MoE layer's fp32 weight-gradient sums at once there), else ``scan``
-    (``plan.operators.choose_layer_loop``)."""
+    1.83 s unrolled against 2.96 s scanned), else ``scan`` (``plan.operators.choose_layer_loop``;
+    on a GPU the two hold the same device memory)."""
 
     @property
     def chosen_by_planner(self) -> tuple[str, ...]:

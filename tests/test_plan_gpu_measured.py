@@ -136,7 +136,8 @@ SEGMENT_CAP_4 = {
         lambda: _run_peak(CHECKS, "on_slots16"), marks=BEFORE_ZEROS_FIX),
     "all on, 64K, 60 slots, allocator peak": pytest.param(
         ON_UNROLLED + ["optimizer.slots=60"], "overlapped",
-        lambda: _run_peak(CHECKS, "on_slots60"), marks=_over("1.74x (XLA staged no more "
+        lambda: _run_peak(CHECKS, "on_slots60"), marks=_over("1.57x (1.74x with the hoisted "
+                                                              "zeros counted: XLA staged no more "
                                                               "buckets than at 16 slots)")),
     "all on, 16K, optimizer step, XLA's plan": (
         ON_UNROLLED + ["data.seq_len=16384"], "optimizer_step",
@@ -223,7 +224,8 @@ THIS_SESSION = {
         marks=BEFORE_ZEROS_FIX),
     "h200-1 all on, write-back under the backward, allocator peak": pytest.param(
         "h200-1", ON_UNROLLED + ["operators.optimizer_writeback=backward"], "overlapped",
-        lambda: _session_peak("on_bwd"), marks=_over("1.36x")),
+        lambda: _session_peak("on_bwd"),
+        marks=_over("1.21x (1.36x with the hoisted zeros counted, which this program held)")),
     "h200-1 streamed optimizer alone, allocator peak": pytest.param(
         "h200-1", ["operators.optimizer_offload=true", "operators.optimizer_writeback=backward"],
         "overlapped", lambda: _session_peak("opt_alone"), marks=_over("1.30x")),
@@ -685,9 +687,10 @@ SESSION5_RUNS = [
     pytest.param("on64k_fwd", "h200-1", ALL_ON_UNROLLED, marks=BEFORE_ZEROS_FIX),
     pytest.param("on64k_bwd", "h200-1",
                  ALL_ON_UNROLLED + ["operators.optimizer_writeback=backward"],
-                 marks=pytest.mark.xfail(strict=True, reason="1.36x: the write-back under the "
-                                         "backward holds less than its (4 + S) P bytes at "
-                                         "XLA:GPU's peak")),
+                 marks=pytest.mark.xfail(strict=True, reason="1.21x (1.36x with the hoisted "
+                                         "zeros counted, which this program held): the "
+                                         "write-back under the backward holds less than its "
+                                         "(4 + S) P bytes at XLA:GPU's peak")),
     ("base64k", "h200-1", []),
     ("base_517600", "h200-1", ALL_OFF + ["data.seq_len=517600"]),
     ("e2e_hostcpu_b2", "h200-e2e", ALL_OFF + ["data.seq_len=32768", "data.batch_size=2",
@@ -795,7 +798,8 @@ SESSION6_RUNS = [
     # the record, its run, the overrides of h200-1 at 64K
     pytest.param(SESSION6, "on64k_fwd", ALL_ON_UNROLLED, marks=BEFORE_ZEROS_FIX),
     # With 2 host copies in flight XLA:GPU held less of the deferred write-back at its peak:
-    # 1.25x with the hoisted sums counted, within 1.2x since (the program held them too).
+    # 1.25x with the hoisted sums counted; 1.11x without, against a program that held them
+    # (its peak was not at them: the bound holds either way).
     (SESSION6, "on64k_bwd", ON_BACKWARD),
     (SESSION6, "opt64k", OPT_ALONE),
     (SESSION6, "base64k", []),
@@ -891,16 +895,15 @@ E2E_8X = ["data.seq_len=540672", "operators.moe_dispatch=pipelined", "operators.
           "operators.loss=ring", "operators.offload=none", "operators.optimizer_offload=true",
           "optimizer.resident_groups=0", "operators.layer_loop=scan"]
 SESSION8_RUNS = [
-    # run, config, overrides (the resident count as each run's banner gave it), what is over
-    ("on64k_autoK", "h200-1", ON + ["optimizer.resident_groups=8"], None),
+    # run, config, overrides as run (a null resident count: the planner's, checked below against
+    # each run's banner), what is over
+    ("on64k_autoK", "h200-1", ON, None),
     ("pgle_profiled", "h200-1", ON_BACKWARD + ["optimizer.resident_groups=0"], None),
     ("pgle_used", "h200-1", ON_BACKWARD + ["optimizer.resident_groups=0"], None),
     ("hostcpu64k", "h200-e2e", ALL_OFF + ["data.seq_len=65536", "optimizer.update_on=host_cpu"],
      None),
-    ("auto64k", "h200-e2e", ["data.seq_len=65536", "operators.moe_dispatch=ep",
-                             "operators.loss=ring", "operators.offload=all",
-                             "operators.optimizer_offload=false"], None),
-    ("on512k_autoK", "h200-1", ON + ["data.seq_len=524288", "optimizer.resident_groups=4"],
+    ("auto64k", "h200-e2e", ["data.seq_len=65536"], None),
+    ("on512k_autoK", "h200-1", ON + ["data.seq_len=524288"],
      "1.33x: XLA:GPU held none of the dense FFN's four [N, F_d] (32 GiB) under the attention's "
      "backward, where the plan counts them below the device's memory"),
     ("e2e_8x", "h200-e2e", E2E_8X, "1.31x: h200-e2e's dense layer, as on512k_autoK"),
@@ -913,8 +916,8 @@ SESSION8_RUNS = [
 def test_the_plan_bounds_the_peaks_after_the_zeros_fix(run, config, overrides, monkeypatch):
     """The 2026-12-03 13:06 driver's trained runs, the first of programs without the MoE
     layers' hoisted zeros (pipelined_moe._zeros_after): the allocator's peak at or under the
-    plan and the plan within 1.2x of it (each run's plan against the device's memory; the
-    host-CPU stack's checks were lifted, as its run lifted them)."""
+    plan and the plan within 1.2x of it, each planned against the device's memory (the runs
+    that lifted the check only let the trainer start; the knobs are the config's)."""
     monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
     measured = json.loads(SESSION8.read_text())["runs"][run]
     assert len(measured["losses"]) in (3, 5) and all(map(math.isfinite, measured["losses"]))
@@ -935,30 +938,31 @@ def test_the_host_plan_bounds_the_resident_memory_after_the_zeros_fix(run, confi
     assert measured <= plan.host_bytes <= 1.2 * measured
 
 
-def test_the_planner_keeps_every_group_resident_at_64k():
-    """Left to the planner, h200-1 all four on at 64K keeps all 8 groups' state on the device
-    (the run's host, 8.27 GiB, held none of it), as on64k_autoK trained."""
-    plan = make_plan(config_module.load_config("h200-1", ON), 1, platform="gpu", baseline=False,
-                     search_context=False, **DEVICE)
-    assert plan.knobs.resident_groups == 8
-    assert json.loads(SESSION8.read_text())["runs"]["on64k_autoK"]["host_peak_bytes"] < 9 * 2**30
+@pytest.mark.parametrize("run, context, resident", [("on64k_autoK", 65_536, 8),
+                                                     ("on512k_autoK", 524_288, 4)])
+def test_the_planner_s_resident_count_is_the_run_s(run, context, resident):
+    """Left to the planner, h200-1 all four on keeps all 8 groups' state on the device at 64K
+    and 4 at 524,288, as the runs' banners said; the runs' host peaks follow (8.29 GiB at 64K,
+    none of the state; 55.93 GiB at 524,288, half of it)."""
+    plan = make_plan(config_module.load_config("h200-1", ON + [f"data.seq_len={context}"]), 1,
+                     platform="gpu", baseline=False, search_context=False, **DEVICE)
+    assert plan.knobs.resident_groups == resident
+    measured = json.loads(SESSION8.read_text())["runs"][run]
+    assert any(f"{resident} of 8 groups" in line for line in measured["log_tail"]) or (
+        resident == 8 and measured["host_peak_bytes"] < 9 * 2**30)
 
 
+@_over("1.36x: its peak is the dense layer's attention backward with the FFN's four [N, F_d] "
+       "(42.6 GiB) held, which XLA:GPU does not hold at this context (issue 25's open part)")
 def test_all_four_at_698k_compile_under_the_plan_without_the_hoisted_zeros():
     """All four on at 698,002 tokens (no group resident), compiled only: XLA:GPU's plan of the
     overlapped step fell from 124.15 GiB to 105.58 with the MoE loop zeros made per layer
     (pipelined_moe._zeros_after); its live ranges (..._on698k_zeros_20261203.tgz) hold no fp32
-    weight-gradient sum but the layer's own. The closed form bounds it, at 1.36x: its peak is
-    the dense layer's attention backward with the FFN's four [N, F_d] (42.6 GiB) held, which
-    XLA:GPU does not hold at this context (issue 25's open part)."""
+    weight-gradient sum but the layer's own. At or under the closed form, and within 1.2x."""
     runs = json.loads(SESSION8.read_text())["runs"]
     (line,) = [line for line in runs["dump698k"]["log_tail"] if "overlapped_step" in line
                and "holds" in line]
     xla_total = float(line.split("|")[1].split()[-1]) * 2**30
-    before = [line for line in json.loads(SESSION7.read_text())["runs"]["dump698k"]["log_tail"]
-              if "overlapped_step" in line and "holds" in line]
-    assert xla_total < float(before[0].split("|")[1].split()[-1]) * 2**30 - 18 * 2**30
     plan = make_plan(load_config("h200-1", ON + ["data.seq_len=698002"]), 1, platform="gpu",
                      baseline=False, search_context=False, **DEVICE)
-    assert xla_total <= plan.programs["overlapped"]
-    assert plan.programs["overlapped"] > 1.2 * xla_total  # the over-count still to remove
+    assert xla_total <= plan.programs["overlapped"] <= 1.2 * xla_total

@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 
 from peakflat_jax.config import Config
-from peakflat_jax.plan.programs import Choice, Plan, step_terms
+from peakflat_jax.plan.programs import Choice, Plan, auto_layer_loop, step_terms
 from peakflat_jax.plan.rates import Rates, step_seconds
 
 CHOICES = {"moe_dispatch": ("ep", "pipelined"), "loss": ("materialized", "ring"),
@@ -101,8 +101,8 @@ def choose_operators(config: Config, num_devices: int, *, context: int | None,
         knobs = knobs_from_config(candidate, num_devices, context=context, platform=platform)
         knobs, _ = choose_knobs(candidate, knobs, platform, device_memory, host_memory,
                                 auto=False, rates=rates)
-        # Scored with its layer loop as it will be resolved (a loop left auto: the one that
-        # fits, choose_layer_loop); returned with the loop still auto, for make_plan to name.
+        # Scored with its layer loop as it will be resolved (choose_layer_loop); returned with
+        # the loop still auto, for make_plan to name.
         scored, _ = choose_layer_loop(candidate, knobs, platform)
         terms = step_terms(scored, knobs, platform=platform)
         plan = Plan(scored, knobs, platform, terms, device_memory, host_memory,
@@ -134,10 +134,9 @@ def choose_layer_loop(config: Config, knobs, platform: str) -> tuple[Config, lis
     if config.operators.layer_loop != "auto":
         return config, []
     # Offloaded, overlapped, with MoE layers to hide under, on a machine with host copies.
-    overlapped = knobs.optimizer_overlap and platform == "gpu"
-    loop = "unrolled" if overlapped else "scan"
+    loop = auto_layer_loop(knobs, platform)
     why = ("chosen: the offloaded optimizer's stream overlaps the forward only in straight-line "
-           "code (compile time grows with depth)" if overlapped
+           "code (compile time grows with depth)" if loop == "unrolled"
            else "chosen: no optimizer stream to overlap here; one layer compiled whatever the "
                 "depth")
     return config.replace(operators={"layer_loop": loop}), [Choice("operators.layer_loop",

@@ -194,21 +194,24 @@ class Plan:
         return self.config.replace(**sections)
 
 
-def fits_in_memory(config: Config, knobs: Knobs, platform: str, device_memory: int | None,
-          host_memory: int | None) -> bool:
-    """Whether the step fits; a layer loop left ``auto`` fits if either loop does, as
-    ``plan.operators.choose_layer_loop`` then takes the one that fits."""
-    def fits(config) -> bool:
-        terms = step_terms(config, knobs, platform=platform)
-        device = max(program_bytes(terms).values())
-        host = sum(t.bytes for t in terms if t.live == "host")
-        return ((device_memory is None or device <= device_memory)
-                and (host_memory is None or host <= host_memory))
+def auto_layer_loop(knobs: Knobs, platform: str) -> str:
+    """What ``operators.layer_loop: auto`` resolves to (``plan.operators.choose_layer_loop``
+    says why): ``unrolled`` where the offloaded optimizer's stream overlaps the forward on a
+    GPU, else ``scan``."""
+    return "unrolled" if knobs.optimizer_overlap and platform == "gpu" else "scan"
 
-    if fits(config):
-        return True
-    return (config.operators.layer_loop == "auto" and knobs.optimizer_overlap
-            and fits(config.replace(operators={"layer_loop": "scan"})))
+
+def fits_in_memory(config: Config, knobs: Knobs, platform: str, device_memory: int | None,
+                   host_memory: int | None) -> bool:
+    """Whether the step fits, a layer loop left ``auto`` counted as it resolves
+    (``auto_layer_loop``), so that a search's fit is the plan's."""
+    if config.operators.layer_loop == "auto":
+        config = config.replace(operators={"layer_loop": auto_layer_loop(knobs, platform)})
+    terms = step_terms(config, knobs, platform=platform)
+    device = max(program_bytes(terms).values())
+    host = sum(t.bytes for t in terms if t.live == "host")
+    return ((device_memory is None or device <= device_memory)
+            and (host_memory is None or host <= host_memory))
 
 
 # ----------------------------------------------------------------------------------------------
