@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs of a session, as the stages of one detached driver on nvidia-h200 (~22 min as
+# The GPU runs of a session, as the stages of one detached driver on nvidia-h200 (~24 min as
 # estimated from the walls of 2026-12-03's drivers; a lease is 30 min of device time with ~3 to
 # start the machine), the decisive ones first, each with its own limit; logs and records under
 # $LOGS as they go. The trainer adds its own XLA flags to any XLA_FLAGS a stage sets
@@ -33,6 +33,8 @@
 #                held says the allocator's limit, not held 80%; at 384K (plan 91.2) both hold
 #   base64k, on64k_autoK  issue 26: the standard stack and all four forced on (the planner's
 #                resident count) at 64K in one lease (1.602 and 1.685 s in two leases)
+#   alone_*      issue 26: the standard stack with one operator on (pipelined MoE, ring loss,
+#                SCO), 64K, against base64k of the same lease
 #   on592k       issue 26: all four forced on at the standard stack's largest (592,826; the
 #                standard stack 31.06 s there, 2026-12-03), the planner's resident count
 #   on889k       issue 26: all four on at 1.5x the standard stack's largest (889,240), where it
@@ -78,6 +80,13 @@ run base64k 200 "${train[@]}" h200-1 "${sixty4[@]}" --run-dir /tmp/r1
 keep /tmp/r1 base64k
 run on64k_autoK 200 "${train[@]}" h200-1 "${ALL_ON[@]}" "${sixty4[@]}" --run-dir /tmp/r1
 keep /tmp/r1 on64k_autoK
+# Each operator alone on the standard stack, the same lease (issue 26's table; targets: the
+# pipelined MoE within 1.10x, SCO 1.02x, the ring loss 1.0x of the standard stack's step).
+for alone in operators.moe_dispatch=pipelined operators.loss=ring operators.offload=all; do
+  name=alone_${alone#operators.}; name=${name%%=*}
+  run "$name" 200 "${train[@]}" h200-1 "${ALL_OFF[@]}" "$alone" "${sixty4[@]}" --run-dir /tmp/r1
+  keep /tmp/r1 "$name"
+done
 # 3. Issue 26 at the standard stack's largest and at 1.5x it.
 run on592k 330 "${train[@]}" h200-1 "${ALL_ON[@]}" data.seq_len=592826 train.steps=3 "${nc[@]}" \
   --run-dir /tmp/r2
