@@ -26,15 +26,18 @@
 #                (K = 4), compiled only, with the limit's slop factor raised from 95 to 130
 #                (the limit then passes the 128.35 GiB the plan counts with them held): XLA
 #                96.81 GiB at the default (2026-12-03, none held); ~128 here if the limit is it
-#   on384k, on524k  issue 25: the same at the default limit, compiled only, K = 0. The limit
+#   on524k       issue 25: the same at the default limit, compiled only, K = 0. The limit
 #                is (base - arguments) x 0.95 past the arguments; with base 80% of the H200's
 #                140.4 GiB that is ~107 GiB of the program, with the allocator's 133.4 ~127.
 #                At 524,288, K = 0 the program with the four held is ~114 (the plan 113.8):
-#                held says the allocator's limit, not held 80%; at 384K (plan 91.2) both hold
+#                held says the allocator's limit, not held 80%
+#   dump_e2e540k issues 25/27: h200-e2e's scanned overlapped step at 540,672, compiled only,
+#                dumped: where its plan's 1.31x is (overlap.moe_layer_weights, 25.15 GiB?)
 #   base64k, on64k_autoK  issue 26: the standard stack and all four forced on (the planner's
 #                resident count) at 64K in one lease (1.602 and 1.685 s in two leases)
 #   alone_*      issue 26: the standard stack with one operator on (pipelined MoE, ring loss,
 #                SCO), 64K, against base64k of the same lease
+#   on889k, then on592k (the last may not fit in the lease: ~27 min in all)
 #   on592k       issue 26: all four forced on at the standard stack's largest (592,826; the
 #                standard stack 31.06 s there, 2026-12-03), the planner's resident count
 #   on889k       issue 26: all four on at 1.5x the standard stack's largest (889,240), where it
@@ -73,8 +76,19 @@ check_on() {  # check_on NAME LIMIT CONTEXT [K]: all four on, compiled only (pla
 }
 # 1. Issue 25: the scheduler's memory limit, then where the switch falls.
 XLA_FLAGS="--xla_gpu_memory_limit_slop_factor=130" check_on slop524k 240 524288 4
-check_on on384k 200 393216
 check_on on524k 240 524288
+# h200-e2e at 540,672 as trained on 2026-12-03 (XLA 105.15 against the plan's 138.0), compiled
+# only, its overlapped step's buffer assignment dumped: what of overlap.moe_layer_weights and
+# the dense FFN's sub-phase XLA holds in the scanned step.
+rm -rf /tmp/xla-dump
+XLA_FLAGS="--xla_dump_to=/tmp/xla-dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=overlapped" \
+  run dump_e2e540k 240 "${plan[@]}" h200-e2e data.seq_len=540672 operators.moe_dispatch=pipelined \
+  operators.token_budget=56292 operators.loss=ring operators.offload=none \
+  operators.optimizer_offload=true optimizer.resident_groups=0 operators.layer_loop=scan \
+  "${unbounded[@]}" --check
+(cd /tmp/xla-dump && tar -czf "$LOGS/xla_dump_h200-e2e_540k.tgz" \
+  $(ls | grep -E "overlapped.*after_optimizations-(live-range|buffer-assignment)\.txt" | head -2)) 2>/dev/null
+rm -rf /tmp/xla-dump
 # 2. Issue 26 at 64K, both stacks in one lease.
 run base64k 200 "${train[@]}" h200-1 "${sixty4[@]}" --run-dir /tmp/r1
 keep /tmp/r1 base64k
@@ -88,10 +102,10 @@ for alone in operators.moe_dispatch=pipelined operators.loss=ring operators.offl
   keep /tmp/r1 "$name"
 done
 # 3. Issue 26 at the standard stack's largest and at 1.5x it.
-run on592k 330 "${train[@]}" h200-1 "${ALL_ON[@]}" data.seq_len=592826 train.steps=3 "${nc[@]}" \
-  --run-dir /tmp/r2
-keep /tmp/r2 on592k
 run on889k 540 "${train[@]}" h200-1 "${ALL_ON[@]}" data.seq_len=889240 optimizer.resident_groups=0 \
   train.steps=3 train.device_memory_gib=1000000 "${nc[@]}" --run-dir /tmp/r2
 keep /tmp/r2 on889k
+run on592k 330 "${train[@]}" h200-1 "${ALL_ON[@]}" data.seq_len=592826 train.steps=3 "${nc[@]}" \
+  --run-dir /tmp/r2
+keep /tmp/r2 on592k
 echo "=== all done $(date -Is)"
