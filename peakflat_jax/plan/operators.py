@@ -25,8 +25,9 @@ from __future__ import annotations
 import itertools
 
 from peakflat_jax.config import Config
-from peakflat_jax.plan.programs import Choice, Plan, auto_layer_loop, step_terms
+from peakflat_jax.plan.programs import Choice, Plan, step_terms
 from peakflat_jax.plan.rates import Rates, step_seconds
+from peakflat_jax.plan.terms import auto_layer_loop
 
 CHOICES = {"moe_dispatch": ("ep", "pipelined"), "loss": ("materialized", "ring"),
            "offload": ("none", "all"), "optimizer_offload": (False, True)}

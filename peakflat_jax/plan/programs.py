@@ -194,19 +194,10 @@ class Plan:
         return self.config.replace(**sections)
 
 
-def auto_layer_loop(knobs: Knobs, platform: str) -> str:
-    """What ``operators.layer_loop: auto`` resolves to (``plan.operators.choose_layer_loop``
-    says why): ``unrolled`` where the offloaded optimizer's stream overlaps the forward on a
-    GPU, else ``scan``."""
-    return "unrolled" if knobs.optimizer_overlap and platform == "gpu" else "scan"
-
-
 def fits_in_memory(config: Config, knobs: Knobs, platform: str, device_memory: int | None,
                    host_memory: int | None) -> bool:
-    """Whether the step fits, a layer loop left ``auto`` counted as it resolves
-    (``auto_layer_loop``), so that a search's fit is the plan's."""
-    if config.operators.layer_loop == "auto":
-        config = config.replace(operators={"layer_loop": auto_layer_loop(knobs, platform)})
+    """Whether the step fits (a layer loop left ``auto`` counted as it resolves:
+    ``plan.terms.auto_layer_loop``), so that a search's fit is the plan's."""
     terms = step_terms(config, knobs, platform=platform)
     device = max(program_bytes(terms).values())
     host = sum(t.bytes for t in terms if t.live == "host")

@@ -467,7 +467,8 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
     add("host.data_pipeline", _pipeline_bytes(config, knobs), "host",
         MEMORY_FORMULAS["data_pipeline"])
     if platform == "gpu":
-        loop = "scan" if config.operators.layer_loop == "scan" else "unrolled"
+        loop = config.operators.layer_loop
+        loop = auto_layer_loop(knobs, platform) if loop == "auto" else loop
         pinned = pinned_allocations(knobs, terms)
         growth = _pool_growth(config, pinned)
         pool = sum(pinned) + growth if growth != POOL_EXHAUSTED else 0
@@ -626,6 +627,13 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
 # What XLA:GPU's buffer assignment gave cuDNN's attention backward beyond the R-fold arrays
 # (h200-1, jax 0.11.2, 2026-12-01): the graph's fixed scratch, the forward's whole workspace.
 CUDNN_FIXED_SCRATCH = 17_152
+
+
+def auto_layer_loop(knobs: Knobs, platform: str) -> str:
+    """What ``operators.layer_loop: auto`` resolves to (``plan.operators.choose_layer_loop``
+    says why): ``unrolled`` where the offloaded optimizer's stream overlaps the forward on a
+    GPU, else ``scan``."""
+    return "unrolled" if knobs.optimizer_overlap and platform == "gpu" else "scan"
 
 
 def packed_attention_runs(config: Config) -> int:
