@@ -45,8 +45,9 @@ def test_updates_made_in_the_unrolled_forward_change_no_bit(tmp_path):
     optimizer state bit for bit; and the program ties each layer l >= 1's buckets, before they
     are copied in, to its own layer l - 1's input (a barrier whose bucket outputs the copies
     read), and, written back under the backward, each bucket's update to its layer's input.
-    With the first two groups' state resident on the device, the same bits again, under both
-    write-backs."""
+    With the first two groups' state resident on the device, the same bits again, written back
+    under the backward (the resident groups under either write-back, bit for bit against the
+    streamed update: tests/test_optim_offload_stream.py)."""
     common = ["model.num_layers=4", "optimizer.max_grad_norm=0.5", "optimizer.warmup_steps=2",
               "optimizer.bucket_params=2000", "train.steps=3", "train.checkpoints=false"]
     plain = Trainer(small_config(*common, "operators.optimizer_overlap=false"),
@@ -63,25 +64,24 @@ def test_updates_made_in_the_unrolled_forward_change_no_bit(tmp_path):
             jax.device_get((made.final_state.params, made.final_state.extras,
                             made.final_state.opt_state)))
         _check_ties(made, writeback)
-    # The outer group and the first MoE layer's kept on the device (optimizer.resident_groups),
-    # under both write-backs: the same bits, those buckets in device memory, the others on the
-    # host.
-    for writeback in ("forward", "backward"):
-        resident = Trainer(small_config(*common, "operators.layer_loop=unrolled",
-                                        f"operators.optimizer_writeback={writeback}",
-                                        "optimizer.resident_groups=2"),
-                           run_dir=str(tmp_path / f"resident_{writeback}"))
-        assert resident.run(progress=False)["losses"] == expected, writeback
-        chex.assert_trees_all_equal(  # the leaves: the layouts differ in their residency
-            jax.device_get(jax.tree.leaves((plain.final_state.params,
-                                            plain.final_state.opt_state))),
-            jax.device_get(jax.tree.leaves((resident.final_state.params,
-                                            resident.final_state.opt_state))))
-        state = resident.final_state.opt_state
-        kinds = [a.sharding.memory_kind for a in state.master]
-        first_streamed = state.layout.groups[2].first_bucket
-        assert kinds == (["device"] * first_streamed
-                         + ["pinned_host"] * (len(kinds) - first_streamed)), writeback
+    # The outer group and the first MoE layer's kept on the device (optimizer.resident_groups):
+    # the same bits, those buckets in device memory, the others on the host.
+    resident = Trainer(small_config(*common, "operators.layer_loop=unrolled",
+                                    "operators.optimizer_writeback=backward",
+                                    "optimizer.resident_groups=2"),
+                       run_dir=str(tmp_path / "resident"))
+    assert resident.run(progress=False)["losses"] == expected
+    chex.assert_trees_all_equal(  # the leaves: the layouts differ in their residency
+        jax.device_get(jax.tree.leaves((plain.final_state.params,
+                                        plain.final_state.opt_state))),
+        jax.device_get(jax.tree.leaves((resident.final_state.params,
+                                        resident.final_state.opt_state))))
+    state = resident.final_state.opt_state
+    kinds = [a.sharding.memory_kind for a in state.master]
+    first_streamed = state.layout.groups[2].first_bucket
+    assert kinds == (["device"] * first_streamed
+                     + ["pinned_host"] * (len(kinds) - first_streamed))
+
 
 def _check_ties(made, writeback):
     """The ties in ``made``'s overlapped step, read off its jaxpr (the test's docstring)."""
