@@ -261,6 +261,20 @@ def most_resident(config: Config, knobs: Knobs, platform: str,
     return dataclasses.replace(knobs, resident_groups=0 if first is None else options[first])
 
 
+def fits_with_resident(config: Config, knobs: Knobs, platform: str, device_memory: int | None,
+                       host_memory: int | None) -> bool:
+    """Whether ``knobs`` fit with their resident groups, left null, filled as the plan fills
+    them (``most_resident``). With none resident the device holds the least; if the host fits
+    then too, the device's count fits both (the host holds less with each group more), so the
+    count is searched only where the host binds."""
+    if fits_in_memory(config, knobs, platform, device_memory, host_memory):
+        return True
+    if config.optimizer.resident_groups is not None or not knobs.optimizer_offload:
+        return False
+    return fits_in_memory(config, most_resident(config, knobs, platform, device_memory),
+                          platform, device_memory, host_memory)
+
+
 def _resident_reason(config: Config, knobs: Knobs, device_memory: int | None) -> str:
     groups = optimizer_groups(config.model)
     limit = resident_limit(config, device_memory)
@@ -269,8 +283,8 @@ def _resident_reason(config: Config, knobs: Knobs, device_memory: int | None) ->
     return (f"{knobs.resident_groups} of {groups}: the most groups whose fp32 master and "
             f"moments fit beside the step in {limit / 2**30:.1f} GiB of device memory (the "
             f"weights outside the MoE stack, then one MoE layer a group; never more than "
-            f"device.memory_gib); each moves 24 "
-            f"bytes a parameter less over the host link a step")
+            f"device.memory_gib); each moves 24 bytes a parameter less over the host link a "
+            f"step")
 
 
 def _lightest_fitting(config, base: Knobs, platform, device_memory, host_memory, chunk_options,
@@ -280,8 +294,7 @@ def _lightest_fitting(config, base: Knobs, platform, device_memory, host_memory,
     where they are left null (``most_resident``: more chunks leave the device room for more,
     so the fit stays monotone)."""
     def fits(k):
-        return fits_in_memory(config, most_resident(config, k, platform, device_memory),
-                              platform, device_memory, host_memory)
+        return fits_with_resident(config, k, platform, device_memory, host_memory)
 
     lightest_block = dataclasses.replace(base, vocab_block=block_options[-1])
     chunks = _first_true(chunk_options, lambda c: fits(with_chunks(lightest_block, c)))

@@ -13,8 +13,8 @@ from peakflat_jax.plan.knobs import (
     block_choices,
     choose_knobs,
     chunk_choices,
+    fits_with_resident,
     knobs_from_config,
-    most_resident,
 )
 from peakflat_jax.plan.operators import (
     capable_variants,
@@ -22,7 +22,7 @@ from peakflat_jax.plan.operators import (
     choose_operators,
     with_operators_on,
 )
-from peakflat_jax.plan.programs import Choice, Plan, fits_in_memory, step_terms
+from peakflat_jax.plan.programs import Choice, Plan, step_terms
 from peakflat_jax.plan.rates import Rates, step_seconds
 from peakflat_jax.plan.terms import Knobs, baseline_knobs
 
@@ -123,7 +123,7 @@ def largest_context(config: Config, num_devices: int, *, device_memory: int,
         k = knobs_from_config(config, num_devices, context=context,
                               batch_size=knobs.batch_size, platform=platform)
         k = dataclasses.replace(k, data=knobs.data, seq=knobs.seq)
-        return _fits_lightest(config, _lightest(config, k, auto), platform, device_memory,
+        return fits_with_resident(config, _lightest(config, k, auto), platform, device_memory,
                               host_memory)
 
     return _largest_multiple(fits, step, most=2**40 // step)
@@ -147,20 +147,6 @@ def _largest_multiple(fits, unit: int, *, most: int) -> int | None:
         else:
             high = middle
     return low * unit
-
-
-def _fits_lightest(config: Config, lightest: Knobs, platform: str, device_memory: int,
-                   host_memory: int | None) -> bool:
-    """Whether ``lightest`` (``_lightest``'s) fits, its resident groups left null filled as
-    the plan fills them (``most_resident``). With none resident the device holds the least; if
-    the host fits then too, the device's count fits both (the host holds less with each group
-    more), so the count is searched only where the host binds."""
-    if fits_in_memory(config, lightest, platform, device_memory, host_memory):
-        return True
-    if config.optimizer.resident_groups is not None or not lightest.optimizer_offload:
-        return False
-    return fits_in_memory(config, most_resident(config, lightest, platform, device_memory),
-                          platform, device_memory, host_memory)
 
 
 def _lightest(config: Config, knobs: Knobs, auto: bool) -> Knobs:
@@ -252,10 +238,10 @@ def _safe_knobs(config, num_devices, context, batch, platform) -> Knobs | None:
 def _largest_batch(config, num_devices, context, data, device_memory, host_memory,
                    platform) -> int | None:
     """The most sequences (a multiple of data) whose lightest setting fits at ``context`` (its
-    resident groups as the plan fills them: ``_fits_lightest``)."""
+    resident groups as the plan fills them: ``fits_with_resident``)."""
     def fits(batch):
         knobs = _safe_knobs(config, num_devices, context, batch, platform)
-        return knobs is not None and (device_memory is None or _fits_lightest(
+        return knobs is not None and (device_memory is None or fits_with_resident(
             config, _lightest(config, knobs, True), platform, device_memory, host_memory))
 
     if device_memory is None:
