@@ -658,12 +658,12 @@ def test_the_resident_state_is_the_layout_s(resident):
     assert estimates[0] - estimates[1] == pytest.approx(share * every, rel=1e-9)
 
 
-@pytest.mark.parametrize("context", [65_536, 524_288])
+@pytest.mark.parametrize("context", [65_536, 698_002])
 def test_left_null_the_most_resident_groups_that_fit_are_kept(context):
     """``optimizer.resident_groups: null`` with the optimizer streamed: the planner keeps the
     most groups whose state fits on the device beside the step (h200-1 all four on, the
     stack unrolled: every group at 64K, where the H200 stepped fastest with all eight; fewer at
-    512K), one group more does not fit, and the trainer's config carries the count. An
+    698,002), one group more does not fit, and the trainer's config carries the count. An
     explicit count is kept, and with the device's memory unknown none is resident."""
     on = ["operators.moe_dispatch=pipelined", "operators.loss=ring", "operators.offload=all",
           "operators.optimizer_offload=true", "operators.layer_loop=unrolled",

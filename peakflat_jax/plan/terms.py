@@ -65,7 +65,9 @@ MEMORY_FORMULAS: dict[str, str] = {
     "ffn.under_attention": "4 * N * F_d * b on a GPU: four of them live through the attention's "
                            "backward (XLA:GPU runs the FFN's weight gradients after it, unless "
                            "the standard stack's step so counted is past the device's memory: "
-                           "plan.programs.step_terms)",
+                           "plan.programs.step_terms); none where SCO offloads a boundary, "
+                           "whose FFN backward computes them first "
+                           "(model.layers.weight_gradients_first)",
     "moe.dispatch_gpu": "4 * M * H * b on one GPU in one chunk (EP): the rows of width H that "
                         "XLA:GPU holds at once in the layer's backward (its buffer assignments "
                         "of h200-1's EP step at 64K and 256K: at most four [M, H])",
@@ -113,6 +115,11 @@ MEMORY_FORMULAS: dict[str, str] = {
                                      "bytes; XLA:GPU's buffer assignments of h200-1's "
                                      "overlapped step at 64K, EP and pipelined: 9.5 GiB live "
                                      "against 10.1)",
+    "overlap.packing_gpu": "3 * N * H * b on a GPU: what XLA:GPU's packing of the overlapped "
+                           "step's temporaries leaves unused at its peak (its buffer "
+                           "assignments: 2.51 [N, H] at 698,002 tokens, h200-1 unrolled; 2.93 "
+                           "at 540,672, h200-e2e scanned; none in the standard stack's step "
+                           "at 443,720)",
     "data_pipeline": "pipeline_host_bytes / local devices: the batch being made",
     "optimizer_step.bucketed_params_gpu": "P * b: each bucket's new working params, which "
                                           "XLA:GPU holds among the step's temporaries until "
@@ -411,11 +418,16 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
         resident = resident_param_count(model, width, knobs.resident_groups)
         step = offload_module.offload_stream_adamw_memory_terms(
             weights.param_count, knobs.bucket_params, knobs.slots, model.dtype, resident)
-        if resident:
-            add("optimizer.resident_state", step["resident_state"], "persistent",
-                offload_module.MEMORY_FORMULAS["resident_state"])
-        del step["resident_state"]
+        resident_state = step.pop("resident_state")
         add_all("optimizer_step.", step, "optimizer_step", offload_module.MEMORY_FORMULAS)
+        if resident:
+            add("optimizer.resident_state", resident_state, "persistent",
+                offload_module.MEMORY_FORMULAS["resident_state"])
+            # The optimizer's own program takes it in and gives it back (donated): XLA:GPU's
+            # plan of h200-1's at 524,288 with 4 of 8 groups resident had 25.56 GiB of
+            # arguments, the resident state's 14.55 among them.
+            add("optimizer_step.resident_state", resident_state, "optimizer_step",
+                offload_module.MEMORY_FORMULAS["resident_state"])
         add("optimizer_step.router_bias", 2 * weights.extras, "optimizer_step",
             MEMORY_FORMULAS["router_bias"])
         add("optimizer_step.batch", 4 * n * 4, "optimizer_step", MEMORY_FORMULAS["batch"])
@@ -446,6 +458,8 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
             add("overlap.moe_layer_weights",
                 weights.params + max(num_moe - 1, 0) * weights.layer_shard["moe"], "overlap",
                 MEMORY_FORMULAS["overlap.moe_layer_weights_gpu"])
+            add("overlap.packing", 3 * n * h * itemsize, "overlap",
+                MEMORY_FORMULAS["overlap.packing_gpu"])
         elif knobs.optimizer_overlap:
             add("overlap.moe_layer_weights", 2 * num_moe * weights.layer_shard["moe"], "overlap")
     elif host_cpu:
@@ -566,12 +580,14 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
         terms += attention
         if kind == "dense" and platform == "gpu":
             # XLA:GPU's buffer assignment (h200-1 at 64K and 256K, docs/plan.md): at most five
-            # bf16 [N, F_d] buffers, and four of them still live under the attention's
-            # backward, whose inputs XLA:GPU computes first and the FFN's weight gradients last;
-            # pressed (plan.programs.step_terms), the weight gradients first: none.
+            # bf16 [N, F_d] buffers, four of them live under the attention's backward where
+            # XLA:GPU computes the FFN's weight gradients last. None there when pressed
+            # (plan.programs.step_terms), nor where SCO offloads a boundary: the FFN's backward
+            # then hands out its input's cotangent only with its weight gradients
+            # (model.layers.weight_gradients_first).
             ffn = n * model.dense_ffn * itemsize
             terms.append(("ffn", 5 * ffn, "layer/ffn", MEMORY_FORMULAS["ffn_gpu"]))
-            if not pressed:
+            if not pressed and not any(knobs.offload):
                 terms.append(("ffn.under_attention", 4 * ffn, "layer/attention",
                               MEMORY_FORMULAS["ffn.under_attention"]))
         elif kind == "dense":

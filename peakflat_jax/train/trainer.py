@@ -124,7 +124,8 @@ def runtime_for(config: Config, mesh) -> Runtime:
     budget = ops.token_budget if ops.moe_dispatch == "pipelined" else None
     return Runtime(mesh=mesh, operators=ops, attention=attention,
                    max_segments=1 if config.data.source == "synthetic" else
-                   config.data.max_segments, token_budget=budget)
+                   config.data.max_segments, token_budget=budget,
+                   weight_gradients_first=any(boundary_offload(config, mesh)))
 
 
 def split_model_state(state):
