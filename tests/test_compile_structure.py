@@ -90,3 +90,39 @@ def test_identical_mosaic_kernels_share_one_hash():
         lowering_platforms=("cuda",)).as_text()
     assert again == text
     assert np.unique(hashes).size == 2
+
+
+@pytest.mark.parametrize("offload", ["all", "none"])
+def test_the_dense_ffn_hands_out_its_input_cotangent_with_its_weight_gradients(offload):
+    """Where SCO offloads a boundary, h200-1's gradient ties the dense FFN's input cotangent
+    [B, T, H] to its three weight gradients in one optimization barrier
+    (model.layers.weight_gradients_first): the attention's backward, which consumes the
+    cotangent, cannot start before them, so none of the FFN's [N, F_d] is live under it (the
+    planner counts none there). With no boundary offloaded the order is left to XLA."""
+    config = load_config("h200-1", [*ON, f"operators.offload={offload}"])
+    model, data = config.model, config.data
+    tied = ((data.batch_size, data.seq_len, model.hidden), (model.hidden, model.dense_ffn),
+            (model.hidden, model.dense_ffn), (model.dense_ffn, model.hidden))
+    barriers = [tuple(tuple(v.aval.shape) for v in eqn.invars)
+                for eqn in iter_eqns(gradient_jaxpr([f"operators.offload={offload}"]))
+                if eqn.primitive.name == "optimization_barrier"]
+    assert (tied in barriers) == (offload == "all")
+
+
+@pytest.mark.parametrize("offload", ["all", "none", "3", "1.9"])
+@pytest.mark.parametrize("context", [65_536, 524_288])
+def test_the_planner_counts_the_ffn_as_the_trainer_orders_it(offload, context):
+    """The trainer orders the dense FFN's backward (Runtime.weight_gradients_first) exactly
+    where the plan leaves ffn.under_attention out: where SCO offloads a boundary, for every
+    form of operators.offload (all, none, a count, a host budget in GiB, which offloads fewer
+    boundaries as the context grows)."""
+    from peakflat_jax.plan import make_plan
+
+    config = load_config("h200-1", [*ON, f"operators.offload={offload}",
+                                    f"data.seq_len={context}"])
+    plan = make_plan(config, 1, platform="gpu", baseline=False, search_context=False,
+                     device_memory=int(132.8 * 2**30))
+    mesh = mop.make_mesh(config.mesh, jax.devices()[:1])
+    ordered = runtime_for(plan.filled_config(), mesh).weight_gradients_first
+    counted = any(t.name == "ffn.under_attention" and t.bytes for t in plan.terms)
+    assert ordered == any(plan.knobs.offload) != counted

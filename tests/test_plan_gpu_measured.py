@@ -99,9 +99,12 @@ MEASURED = {
         lambda: _compile_plan(32), marks=BEFORE_FFN_BARRIER),
     "optimizer on device, allocator peak": pytest.param(
         ["operators.optimizer_offload=false"], "gradient", lambda: _train_peak("devopt"),
-        marks=pytest.mark.xfail(strict=True, reason="the plan is 0.98x the measured peak: "
-                                "XLA:GPU holds ~1.9 GiB beyond the on-device AdamW's state "
-                                "that no term names yet (no buffer dump of this program)")),
+        marks=pytest.mark.xfail(strict=True, reason=(
+            "the plan is 0.96x the measured peak: measured before "
+            "model.layers.weight_gradients_first, with the dense FFN's four [N, F_d] (4 GiB) "
+            "held, which the plan no longer counts where SCO offloads; and 0.98x before that: "
+            "XLA:GPU holds ~1.9 GiB beyond the on-device AdamW's state that no term names yet "
+            "(no buffer dump of this program)"))),
 }
 
 
@@ -156,10 +159,15 @@ SEGMENT_CAP_4 = {
         lambda: _checked("on_16384", "optimizer_step")),
     "all on, 16K, XLA's plan": pytest.param(
         ON_UNROLLED + ["data.seq_len=16384"], "overlapped",
-        lambda: _checked("on_16384", "overlapped_step"), marks=_over("1.27x")),
+        lambda: _checked("on_16384", "overlapped_step"), marks=_over("1.28x")),
+    # 8.5 GiB under the plan since it leaves the FFN's four [N, F_d] out (16 GiB), within the
+    # 9.0 GiB of hoisted sums this program held.
     "all on, 256K, XLA's plan": pytest.param(
         ON_UNROLLED + ["data.seq_len=262144"], "overlapped",
-        lambda: _checked("on_262144", "overlapped_step"), marks=BEFORE_ZEROS_FIX),
+        lambda: _checked("on_262144", "overlapped_step"),
+        marks=pytest.mark.xfail(strict=True, reason=(
+            "0.88x: measured before pipelined_moe._zeros_after (its hoisted sums: 9.0 GiB) and "
+            "before model.layers.weight_gradients_first; 8.5 GiB under the plan"))),
 }
 
 
@@ -838,7 +846,12 @@ def test_the_plan_bounds_the_peaks_of_the_sixth_session(record, run, overrides, 
     assert measured["host_peak_bytes"] <= plan.host_bytes <= 1.2 * measured["host_peak_bytes"]
 
 
-@BEFORE_ZEROS_FIX
+@pytest.mark.xfail(strict=True, reason=(
+    "0.87x: 13.4 GiB under the plan. Measured before pipelined_moe._zeros_after (the hoisted "
+    "sums: 9.0 GiB) and model.layers.weight_gradients_first, with 8 host copies in flight "
+    "(--xla_gpu_experimental_parallel_async_compute_limit=8) where the plan counts its 2 slots "
+    "(6 buckets' fp32 state more: ~3.4 GiB); ~1 GiB unexplained. Open (issue 25): the "
+    "same context with today's program, next lease"))
 def test_all_four_at_the_standard_stack_s_largest_context_compile_under_the_plan():
     """All four on at 517,600 tokens (the standard stack's planned largest before 2026-12-02's
     pressed MoE terms; written back as updated, 8 host copies in flight): XLA:GPU's plan of
@@ -1019,24 +1032,41 @@ def test_the_plan_bounds_the_ninth_driver_s_compiles(run, config, overrides, pro
     assert xla <= plan.programs[program] <= 1.2 * xla
 
 
-@pytest.mark.parametrize("archive, tokens", [
-    ("xla_gpu_live_ranges_h200-1_on698k_zeros_20261203.tgz", 698_002),
-    ("xla_gpu_live_ranges_h200-e2e_on540k_scan_20261203.tgz", 540_672),
-])
-def test_the_packing_term_covers_what_xla_left_unused(archive, tokens, tmp_path):
-    """overlap.packing (3 [N, H] in the model's dtype) against XLA:GPU's buffer assignments of
-    two overlapped steps: what XLA allocated on the device less the most it had in use at once
-    (each byte once, scripts/xla_live_set.py) is at most the term, and more than two thirds of
-    it; the standard stack's step at 443,720 left nothing unused (its total is its peak)."""
+def _unused_at_peak(archive: pathlib.Path, module: str, tmp_path) -> int:
+    """What XLA:GPU allocated on the device for ``module`` less the most it had in use at
+    once (each byte once, scripts/xla_live_set.py), from a dump's buffer assignment."""
     script = load_script("xla_live_set")
-    with tarfile.open(RESULTS / archive) as opened:
+    with tarfile.open(archive) as opened:
         opened.extractall(tmp_path, filter="data")
-    (buffers,) = tmp_path.rglob("*overlapped*buffer-assignment.txt")
-    (live_ranges,) = tmp_path.rglob("*overlapped*live-range.txt")
+    (buffers,) = tmp_path.rglob(f"*{module}*buffer-assignment.txt")
+    (live_ranges,) = tmp_path.rglob(f"*{module}*live-range.txt")
     values, allocations, _ = script.read_buffers(buffers)
     schedule, ranges = script.read_live_ranges(live_ranges)
     peak = max(script.usage(values, ranges, len(schedule)))
-    allocated = sum(size for size, description in allocations.values()
-                    if script._color(description) == 0)
-    term = 3 * tokens * 2048 * 2
-    assert 2 / 3 * term < allocated - peak <= term
+    return sum(size for size, description in allocations.values()
+               if script._color(description) == 0) - peak
+
+
+@pytest.mark.parametrize("archive, config, overrides", [
+    ("xla_gpu_live_ranges_h200-1_on698k_zeros_20261203.tgz", "h200-1",
+     ON + ["data.seq_len=698002", "optimizer.resident_groups=0"]),
+    ("xla_gpu_live_ranges_h200-e2e_on540k_scan_20261203.tgz", "h200-e2e", E2E_8X),
+])
+def test_the_packing_term_covers_what_xla_left_unused(archive, config, overrides, tmp_path):
+    """The plan's overlap.packing against XLA:GPU's buffer assignments of the two overlapped
+    steps it was read from: what XLA left unused at the peak is at most the term, and more
+    than two thirds of it."""
+    plan = make_plan(config_module.load_config(config, overrides), 1, platform="gpu",
+                     baseline=False, search_context=False, **DEVICE)
+    (term,) = [t.bytes for t in plan.terms if t.name == "overlap.packing"]
+    assert 2 / 3 * term < _unused_at_peak(RESULTS / archive, "overlapped", tmp_path) <= term
+
+
+def test_the_standard_stack_s_step_leaves_nothing_unused(tmp_path):
+    """Why overlap.packing is the overlapped step's alone: XLA:GPU's buffer assignment of h200-1
+    all off at 443,720 tokens allocated what it had in use at its peak, within 6 MB of 109.19
+    GiB (and the standard stack's plan has no such term)."""
+    assert _unused_at_peak(OFF_443K, "train_step", tmp_path) < 6 * 10**6
+    plan = make_plan(load_config("h200-1", ALL_OFF + ["data.seq_len=443720"]), 1,
+                     platform="gpu", baseline=False, search_context=False, **DEVICE)
+    assert not any(t.name == "overlap.packing" for t in plan.terms)

@@ -48,9 +48,10 @@ class Runtime:
     max_segments: int
     token_budget: int | None
     weight_gradients_first: bool = False
-    """Whether the dense FFN's backward releases its input's cotangent only with its weights'
-    gradients (``weight_gradients_first``): set where SCO offloads a boundary, whose stack
-    bounds each layer's backward (the planner's ``ffn.under_attention`` is 0 there)."""
+    """Whether the FFNs' backward (dense layers, shared expert) releases its input's cotangent
+    only with its weights' gradients (``weight_gradients_first``): set where SCO offloads a
+    boundary, whose stack bounds each layer's backward (the planner's ``ffn.under_attention``
+    is 0 there)."""
 
 
 def gathered(mesh: Mesh, weight: jax.Array) -> jax.Array:
@@ -217,8 +218,9 @@ def weight_gradients_first(fn):
 
 
 class FFN(nnx.Module):
-    """A dense SwiGLU FFN: ``(silu(x W_gate) * (x W_up)) W_down``; its backward ordered by
-    ``weight_gradients_first`` where the runtime says so."""
+    """A dense SwiGLU FFN: ``(silu(x W_gate) * (x W_up)) W_down`` (the dense layers' and the MoE's
+    shared expert); its backward ordered by ``weight_gradients_first`` where the runtime says
+    so."""
 
     def __init__(self, hidden: int, width: int, config: ModelConfig, rngs: nnx.Rngs):
         dtype, std = jnp.dtype(config.dtype), config.init_std
