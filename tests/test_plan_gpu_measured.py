@@ -931,10 +931,10 @@ SESSION8_RUNS = [
      None),
     ("auto64k", "h200-e2e", ["data.seq_len=65536"], None),
     ("on512k_autoK", "h200-1", ON + ["data.seq_len=524288", "optimizer.resident_groups=4"], None),
-    ("e2e_8x", "h200-e2e", E2E_8X, "1.37x: h200-e2e's scanned step at its peak (the dense FFN's "
-     "backward) holds three [N, F_d] where the plan counts five, none of the attention's "
-     "activations, and 12.4 of the overlap's 25.15 GiB (its buffer assignment, "
-     "xla_gpu_live_ranges_h200-e2e_on540k_scan_20261203.tgz)"),
+    ("e2e_8x", "h200-e2e", E2E_8X, "1.37x: the plan's peak, the dense FFN's backward, counts "
+     "the MoE stack's boundaries (22.7 GiB) and the overlap's terms (26.4), which XLA:GPU freed "
+     "before it (its buffer assignment, xla_gpu_live_ranges_h200-e2e_on540k_scan_20261203.tgz; "
+     "docs/plan.md, the ninth driver)"),
 ]
 
 
