@@ -126,8 +126,6 @@ def _checked(case: str, program: str) -> int:
     return int(gib["xla_total_gib"] * 2**30)
 
 
-
-
 SEGMENT_CAP_4 = {
     # (overrides of h200-1 as it is, the plan's program, the measured bytes)
     "all off, 16K, XLA's plan": (ALL_OFF + ["data.seq_len=16384"], "gradient",
@@ -212,9 +210,9 @@ FINETUNED = pathlib.Path(__file__).resolve().parent / "data" / "hf_qwen3_moe_3b"
 (scripts/make_hf_checkpoint.py; its weights are not needed to plan)."""
 
 
-def _session_checked(run: str, program: str) -> int:
-    """XLA's total for ``program`` in SESSION's ``plan --check`` log of ``run``."""
-    for line in json.loads(SESSION.read_text())["runs"][run]["log_tail"]:
+def _session_checked(run: str, program: str, record: pathlib.Path = SESSION) -> int:
+    """XLA's total for ``program`` in ``record``'s ``plan --check`` log of ``run``."""
+    for line in json.loads(record.read_text())["runs"][run]["log_tail"]:
         fields = line.split()
         if len(fields) > 2 and fields[1] == program and line.count("|") == 2:
             return int(float(line.split("|")[1].split()[-1]) * 2**30)
@@ -906,9 +904,7 @@ def test_the_standard_stack_trains_its_planned_largest_context_and_not_1p1x():
     trained = runs["base592k"]
     assert f"data.seq_len={largest}" in trained["command"]
     assert len(trained["losses"]) == 3 and trained["losses"][-1] < trained["losses"][0]
-    (line,) = [line for line in runs["check652k"]["log_tail"] if "train_step" in line
-               and "holds" in line]
-    xla_total = float(line.split("|")[1].split()[-1]) * 2**30
+    xla_total = _session_checked("check652k", "train_step", SESSION7)
     assert "data.seq_len=652110" in runs["check652k"]["command"] and 652_110 >= 1.1 * largest
     assert xla_total > load_config("h200-1").device.memory_gib * 2**30
     plan = make_plan(load_config("h200-1", ALL_OFF + ["data.seq_len=652110"]), 1,
@@ -987,23 +983,13 @@ def test_all_four_at_698k_compile_under_the_plan_without_the_hoisted_zeros():
     weight-gradient sum but the layer's own, and none of the dense FFN's [N, F_d] under the
     attention's backward. At or under the closed form, and within 1.2x (1.36x while the plan
     counted four [N, F_d] there; 1.07x now, with XLA's packing counted)."""
-    runs = json.loads(SESSION8.read_text())["runs"]
-    (line,) = [line for line in runs["dump698k"]["log_tail"] if "overlapped_step" in line
-               and "holds" in line]
-    xla_total = float(line.split("|")[1].split()[-1]) * 2**30
+    xla_total = _session_checked("dump698k", "overlapped_step", SESSION8)
     plan = make_plan(load_config("h200-1", ON + ["data.seq_len=698002"]), 1, platform="gpu",
                      baseline=False, search_context=False, **DEVICE)
     assert xla_total <= plan.programs["overlapped"] <= 1.2 * xla_total
 
 
 SESSION9 = RESULTS / "h200_session_gpu_20261203-164617.json"
-
-
-def _session9_xla(run: str, program: str) -> float:
-    """XLA's total (bytes) for ``program`` in SESSION9's ``plan --check`` table of ``run``."""
-    log = json.loads(SESSION9.read_text())["runs"][run]["log_tail"]
-    (line,) = [line for line in log if line.strip().split()[1:2] == [program]]
-    return float(line.split("|")[1].split()[-1]) * 2**30
 
 
 @pytest.mark.parametrize("run, config, overrides, program", [
@@ -1026,7 +1012,7 @@ def test_the_plan_bounds_the_ninth_driver_s_compiles(run, config, overrides, pro
     """The 2026-12-03 16:46 driver's compiles (``plan --check``, the device check lifted): XLA's
     GPU plan of each program at or under the closed form, and within 1.2x of it."""
     check = {"overlapped": "overlapped_step", "optimizer_step": "optimizer_step"}[program]
-    xla = _session9_xla(run, check)
+    xla = _session_checked(run, check, SESSION9)
     plan = make_plan(config_module.load_config(config, overrides), 1, platform="gpu",
                      baseline=False, search_context=False, **DEVICE)
     assert xla <= plan.programs[program] <= 1.2 * xla
