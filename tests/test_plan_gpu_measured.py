@@ -530,7 +530,8 @@ def test_ours_trained_where_the_plan_says_it_fits():
     leaves out). The plan there is at or over the measured peak, and its largest context is
     now past it: where SCO offloads a boundary none of the dense FFN's four [N, F_d] is held
     under the attention's backward (model.layers.weight_gradients_first), which gives ours
-    ~35% more context by the plan (not trained yet: the next lease's)."""
+    ~35% more context by the plan (trained at 855,174 on 2026-12-03 19:12:
+    ``test_ours_trains_at_the_plan_s_largest_context_with_the_ffn_ordered``)."""
     config = load_config("h200-1")
     memory = dict(device_memory=int(config.device.memory_gib * 2**30),
                   host_memory=int(config.device.host_memory_gib * 2**30))
@@ -1056,3 +1057,135 @@ def test_the_standard_stack_s_step_leaves_nothing_unused(tmp_path):
     plan = make_plan(load_config("h200-1", ALL_OFF + ["data.seq_len=443720"]), 1,
                      platform="gpu", baseline=False, search_context=False, **DEVICE)
     assert not any(t.name == "overlap.packing" for t in plan.terms)
+
+
+SESSION10 = RESULTS / "h200_session_gpu_20261203-191200.json"
+SESSION11 = RESULTS / "h200_session_gpu_20261203-192857.json"
+OURS_LARGEST = 855_174
+"""The largest context the plan gives h200-1 with operators auto, the dense FFN's backward
+ordered where SCO offloads (model.layers.weight_gradients_first): 1.44x the standard stack's."""
+PINNED_AT_LARGEST = ["operators.moe_dispatch=pipelined", "operators.token_budget=16384",
+                     "operators.loss=materialized", "operators.offload=all",
+                     "operators.optimizer_offload=true", "optimizer.resident_groups=0"]
+"""The knobs the planner chose at OURS_LARGEST, pinned where a run lifted the device check."""
+
+
+def _record_run(record: pathlib.Path, run: str) -> dict:
+    return json.loads(record.read_text())["runs"][run]
+
+
+@pytest.mark.parametrize("run, overrides, program", [
+    ("check524k", ON + ["data.seq_len=524288", "optimizer.resident_groups=0"], "overlapped"),
+    ("check524k", ON + ["data.seq_len=524288", "optimizer.resident_groups=0"], "optimizer_step"),
+    ("over1p1", PINNED_AT_LARGEST + ["data.seq_len=940692"], "overlapped"),
+    ("over1p1", PINNED_AT_LARGEST + ["data.seq_len=940692"], "optimizer_step"),
+])
+def test_the_plan_bounds_the_compiles_with_the_ffn_ordered(run, overrides, program):
+    """The 2026-12-03 19:12 driver's compiles (``plan --check``, the device check lifted), the
+    first with the dense FFN's backward ordered: XLA's GPU plan of each program at or under
+    the closed form and within 1.2x (524,288: 82.13 GiB against 90.92, where XLA had chosen
+    that order itself at 82.36 before the barrier; 940,692: 130.10 against 143.62)."""
+    check = {"overlapped": "overlapped_step", "optimizer_step": "optimizer_step"}[program]
+    xla = _session_checked(run, check, SESSION10)
+    plan = make_plan(config_module.load_config("h200-1", overrides), 1, platform="gpu",
+                     baseline=False, search_context=False, **DEVICE)
+    assert xla <= plan.programs[program] <= 1.2 * xla
+
+
+SESSION10_TRAINED = [
+    # (record, run, overrides of h200-1 as run; the resident count left to the planner)
+    (SESSION10, "base64k", []),
+    (SESSION10, "on64k_autoK", ON),
+    (SESSION10, "alone_moe_dispatch", ALL_OFF[1:] + ["operators.moe_dispatch=pipelined"]),
+    (SESSION10, "alone_loss", ALL_OFF[:1] + ALL_OFF[2:] + ["operators.loss=ring"]),
+    (SESSION10, "alone_offload", ALL_OFF[:2] + ALL_OFF[3:] + ["operators.offload=all"]),
+    (SESSION10, "largest", [f"data.seq_len={OURS_LARGEST}"]),
+    (SESSION11, "std592k", ALL_OFF + [f"data.seq_len={BASELINE_LARGEST}"]),
+    (SESSION11, "auto592k", [f"data.seq_len={BASELINE_LARGEST}"]),
+]
+
+
+@pytest.mark.parametrize("record, run, overrides", SESSION10_TRAINED,
+                         ids=[run for _, run, _ in SESSION10_TRAINED])
+def test_the_plan_bounds_the_runs_with_the_ffn_ordered(record, run, overrides, monkeypatch):
+    """The trained runs of the 2026-12-03 19:12 lease, each a fresh process: the allocator's
+    peak and the process's peak resident memory (VmHWM) at or under the plan the trainer
+    checked them against, and the plan within 1.2x of each (device 1.02-1.09x, host
+    1.01-1.13x)."""
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+    measured = _record_run(record, run)
+    assert len(measured["losses"]) in (3, 5) and all(map(math.isfinite, measured["losses"]))
+    for override in overrides:
+        assert override in measured["command"]
+    config = config_module.load_config("h200-1", overrides)
+    plan = make_plan(config, 1, platform="gpu", baseline=False, search_context=False,
+                     device_memory=int(config.device.memory_gib * 2**30),
+                     host_memory=int(config.device.host_memory_gib * 2**30))
+    device, host = measured["peak_device_bytes"], measured["host_peak_bytes"]
+    assert device <= plan.total_bytes <= 1.2 * device
+    assert host <= plan.host_bytes <= 1.2 * host
+
+
+def test_ours_trains_at_the_plan_s_largest_context_with_the_ffn_ordered():
+    """Issue 25's last check, first half, for ours: the plan's largest context for h200-1 with
+    operators auto is 855,174 (1.44x the standard stack's 592,826), with the knobs pinned
+    where a run lifts the device check, and it trained 3 steps there, the loss falling, at
+    124.78 GiB against the plan's 132.8 (1.064x)."""
+    config = config_module.load_config("h200-1")
+    plan = make_plan(config, 1, platform="gpu", baseline=False,
+                     device_memory=int(config.device.memory_gib * 2**30),
+                     host_memory=int(config.device.host_memory_gib * 2**30))
+    assert plan.largest_context == OURS_LARGEST > 1.4 * BASELINE_LARGEST
+    at_largest = make_plan(config_module.load_config(
+        "h200-1", [f"data.seq_len={OURS_LARGEST}"]), 1, platform="gpu", baseline=False,
+        search_context=False, **DEVICE)
+    pinned = config_module.load_config("h200-1", PINNED_AT_LARGEST)
+    assert at_largest.knobs.moe_dispatch == pinned.operators.moe_dispatch
+    assert at_largest.knobs.token_budget == pinned.operators.token_budget
+    assert at_largest.knobs.loss == pinned.operators.loss
+    assert at_largest.knobs.optimizer_offload and at_largest.knobs.resident_groups == 0
+    run = _record_run(SESSION10, "largest")
+    assert f"data.seq_len={OURS_LARGEST}" in run["command"]
+    assert len(run["losses"]) == 3 and run["losses"][-1] < run["losses"][0]
+
+
+def _rematerialized(archive: pathlib.Path) -> int:
+    """How many values XLA:GPU's rematerialization made (named ``*.remat*``) in a dump's
+    buffer assignment."""
+    with tarfile.open(archive) as opened:
+        (member,) = [m for m in opened.getmembers() if m.name.endswith("buffer-assignment.txt")]
+        text = opened.extractfile(member).read().decode()
+    return len(re.findall(r"^ value: <\d+ \S+\.remat\d*\S* @", text, re.MULTILINE))
+
+
+@pytest.mark.parametrize("archive, rematerialized", [
+    # XLA's total of each program (GiB): 130.10, 124.15, 105.58, 109.19, 105.02
+    ("xla_gpu_buffer_assignment_h200-1_on940k_remat_20261203.tgz", True),
+    ("xla_gpu_live_ranges_h200-1_on698k_20261203.tgz", True),
+    ("xla_gpu_live_ranges_h200-1_on698k_zeros_20261203.tgz", False),
+    ("xla_gpu_live_ranges_h200-1_off443k_20261202.tgz", False),
+    ("xla_gpu_live_ranges_h200-e2e_on540k_scan_20261203.tgz", False),
+])
+def test_xla_rematerializes_only_where_its_schedule_is_past_the_device(archive, rematerialized):
+    """Why 1.1x of the plan's largest compiled within the device: after scheduling, XLA:GPU
+    recomputes values (HloRematerialization, under the scheduler's memory limit, taken from
+    the device's memory) until the program fits, which the closed form does not model. Its
+    dumps say so: the two programs whose schedules were past the limit (940,692 tokens, and
+    698,002 while the MoE loop's zeros were hoisted) hold rematerialized values; the three
+    compiled well within it hold none. XLA's totals are the compiles' ``--check`` tables."""
+    assert (_rematerialized(RESULTS / archive) > 0) == rematerialized
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "XLA:GPU fits 940,692 (1.1x the plan's largest) in 130.10 GiB of the device's 132.8 by "
+    "recomputing 123 values after scheduling (bf16 [N, H] pads and converts, RoPE's tables, "
+    "broadcasts: its buffer assignment, xla_gpu_buffer_assignment_h200-1_on940k_remat_"
+    "20261203.tgz), which the closed form does not model; the plan is 1.064x the peak that "
+    "trained at 855,174. Whether 940,692 trains, and at what cost in time, is the next "
+    "lease's"))
+def test_1_1x_of_ours_largest_does_not_fit():
+    """Issue 25's last check, second half, for ours: at 1.1x the plan's largest, with the knobs
+    it chose there, XLA:GPU's plan of the overlapped step is past the device's memory."""
+    assert 940_692 >= 1.1 * OURS_LARGEST
+    xla = _session_checked("over1p1", "overlapped_step", SESSION10)
+    assert xla > load_config("h200-1").device.memory_gib * 2**30
