@@ -34,7 +34,9 @@
 #                planner's resident count, 8 of 8), 3 steps, against the standard stack's 30.862 s
 #                of the 19:28 driver (target <= 1.25x)
 #   ours889k     issue 26: 1.5x the standard stack's largest, 889,239, with the knobs of 855,174
-#                and the device check lifted (past ours' plan, 1.44x), 3 steps
+#                and the device check lifted (past ours' plan, 1.44x), 3 steps, the last two
+#                profiled: how much of the optimizer's 70.9 GB a step stays exposed at long
+#                context (855,174's steps: 50.49 s gradient only, then 49.85 and 49.91 with it)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -72,6 +74,6 @@ run check1p2 260 "${plan[@]}" h200-1 data.seq_len=1026209 "${pinned[@]}" "${unbo
 run on592k 330 "${train[@]}" h200-1 data.seq_len=592826 "${ALL_ON[@]}" "${three[@]}" --run-dir /tmp/r1
 keep /tmp/r1 on592k
 run ours889k 420 "${train[@]}" h200-1 data.seq_len=889239 "${pinned[@]}" "${lifted[@]}" \
-  "${three[@]}" --run-dir /tmp/r1
+  "${three[@]}" train.profile_steps=2 --run-dir /tmp/r1
 keep /tmp/r1 ours889k
 echo "=== all done $(date -Is)"

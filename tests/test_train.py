@@ -57,24 +57,28 @@ def first_gradients(config, run_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [("mesh.data=1", "mesh.seq=8"), ("mesh.data=2", "mesh.seq=4")],
-                         ids=["1d", "2d"])
-def test_operators_change_no_number(tmp_path, mesh):
+@pytest.mark.parametrize("mesh, steps", [(("mesh.data=1", "mesh.seq=8"), 0),
+                                         (("mesh.data=2", "mesh.seq=4"), 3)], ids=["1d", "2d"])
+def test_operators_change_no_number(tmp_path, mesh, steps):
     """All four operators on against all off (the standard stack, optax on the device): the
-    same loss and gradients at the first step, and the same losses over three steps (fp32,
-    relative 1e-5)."""
+    same loss and gradients at the first step, and on the 2-D mesh the same losses over three
+    steps (fp32, relative 1e-5). The 1-D mesh (every device on the sequence) checks the
+    gradients only: its steps compile the slowest programs of the suite, and what the steps add
+    to the gradients (the optimizer's paths) does not depend on the mesh's shape."""
     results = {}
     for name, switches in (("on", []), ("off", ALL_OFF)):
         config = small_config(*mesh, *switches)
         results[name] = first_gradients(config, str(tmp_path / f"{name}-gradients"))
-        trainer = Trainer(config, run_dir=str(tmp_path / name))
-        results[name + "_losses"] = trainer.run(progress=False, stop_after=3)["losses"]
+        if steps:
+            trainer = Trainer(config, run_dir=str(tmp_path / name))
+            results[name + "_losses"] = trainer.run(progress=False, stop_after=steps)["losses"]
     (loss_on, grads_on), (loss_off, grads_off) = results["on"], results["off"]
     assert abs(loss_on - loss_off) <= 1e-5 * abs(loss_off)
     for on, off in zip(grads_on, grads_off):
         assert relative_error(on, off) <= 1e-5
-    np.testing.assert_allclose(results["on_losses"], results["off_losses"], rtol=1e-5)
-    assert len(results["on_losses"]) == 3
+    if steps:
+        np.testing.assert_allclose(results["on_losses"], results["off_losses"], rtol=1e-5)
+        assert len(results["on_losses"]) == steps
 
 
 def assert_startup_accounted(summary: dict, phases: list[str], lived: float) -> None:
