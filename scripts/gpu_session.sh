@@ -28,12 +28,12 @@
 #                plan chose at 855,174, device check lifted, 3 steps: XLA:GPU compiled it at
 #                130.10 GiB by rematerializing (2026-12-03 19:12); does it train, and what does
 #                the recomputation cost a step (855,174: 49.88 s)?
-#   check1p2     issue 25: the same knobs at 1,026,209 (1.2x), compiled only: is XLA past the
+#   check1p2     issue 25: the same knobs at 1,026,208 (1.2x), compiled only: is XLA past the
 #                device's 132.8 there, remat or not?
 #   on592k       issue 26: all four forced on at the standard stack's largest, 592,826 (the
 #                planner's resident count, 8 of 8), 3 steps, against the standard stack's 30.862 s
 #                of the 19:28 driver (target <= 1.25x)
-#   ours889k     issue 26: 1.5x the standard stack's largest, 889,239, with the knobs of 855,174
+#   ours889k     issue 26: 1.5x the standard stack's largest, 889,240, with the knobs of 855,174
 #                and the device check lifted (past ours' plan, 1.44x), 3 steps, the last two
 #                profiled: how much of the optimizer's 70.9 GB a step stays exposed at long
 #                context (855,174's steps: 50.49 s gradient only, then 49.85 and 49.91 with it)
@@ -69,11 +69,11 @@ lifted=(train.device_memory_gib=1000000)  # the host's budget stays the machine'
 run train940k 480 "${train[@]}" h200-1 data.seq_len=940692 "${pinned[@]}" "${lifted[@]}" \
   "${three[@]}" --run-dir /tmp/r1
 keep /tmp/r1 train940k
-run check1p2 260 "${plan[@]}" h200-1 data.seq_len=1026209 "${pinned[@]}" "${unbounded[@]}" --check
+run check1p2 260 "${plan[@]}" h200-1 data.seq_len=1026208 "${pinned[@]}" "${unbounded[@]}" --check
 # 2. Issue 26's long rows: all four at the standard stack's largest, ours at 1.5x it.
 run on592k 330 "${train[@]}" h200-1 data.seq_len=592826 "${ALL_ON[@]}" "${three[@]}" --run-dir /tmp/r1
 keep /tmp/r1 on592k
-run ours889k 420 "${train[@]}" h200-1 data.seq_len=889239 "${pinned[@]}" "${lifted[@]}" \
+run ours889k 420 "${train[@]}" h200-1 data.seq_len=889240 "${pinned[@]}" "${lifted[@]}" \
   "${three[@]}" train.profile_steps=2 --run-dir /tmp/r1
 keep /tmp/r1 ours889k
 echo "=== all done $(date -Is)"

@@ -1189,3 +1189,22 @@ def test_1_1x_of_ours_largest_does_not_fit():
     assert 940_692 >= 1.1 * OURS_LARGEST
     xla = _session_checked("over1p1", "overlapped_step", SESSION10)
     assert xla > load_config("h200-1").device.memory_gib * 2**30
+
+
+def test_a_refusal_just_past_the_device_names_xla_s_own_remat():
+    """Where a GPU plan is past the device by at most programs.REMAT_REACH, the refusal offers
+    the lift that lets XLA:GPU try: at 940,692 tokens (the plan 1.08x the device) XLA's plan was
+    130.10 GiB, within it; at 1.2x the plan's largest (1.16x the device) it does not."""
+    from peakflat_jax.plan.programs import _reasons
+
+    def reasons(context: int) -> str:
+        config = config_module.load_config("h200-1", PINNED_AT_LARGEST
+                                           + [f"data.seq_len={context}"])
+        plan = make_plan(config, 1, platform="gpu", baseline=False, search_context=False,
+                         **DEVICE)
+        assert plan.fits_device is False
+        return " ".join(_reasons(plan))
+
+    assert _session_checked("over1p1", "overlapped_step", SESSION10) <= DEVICE["device_memory"]
+    assert "train.device_memory_gib above the device's memory" in reasons(940_692)
+    assert "train.device_memory_gib" not in reasons(1_026_208)

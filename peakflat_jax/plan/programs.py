@@ -227,6 +227,13 @@ _REMEDIES = {
 }
 
 
+REMAT_REACH = 1.1
+"""How far past the device a GPU plan may be for the refusal to suggest letting XLA try: XLA:GPU
+rematerializes after scheduling where its program is past the device's memory, and h200-1 at
+1.1x the plan's largest context (940,692 tokens, a plan of 143.6 GiB, 1.08x the device's
+132.8) compiled within the device that way, at 130.1 GiB (docs/plan.md, the tenth driver)."""
+
+
 def _reasons(plan: Plan) -> list[str]:
     reasons = []
     if plan.fits_device is False:
@@ -243,6 +250,11 @@ def _reasons(plan: Plan) -> list[str]:
                     remedies.append(remedy)
         remedies.append("a shorter context (data.seq_len) or fewer sequences (data.batch_size)")
         remedies.append("`peakflat plan CONFIG --auto` to choose the knobs")
+        if plan.platform == "gpu" and plan.total_bytes <= REMAT_REACH * plan.device_memory:
+            remedies.append(
+                "or let XLA try (train.device_memory_gib above the device's memory lifts the "
+                "check): past the device XLA:GPU recomputes values to fit where it can, which "
+                "the plan does not count, at a cost in time (docs/plan.md)")
         reasons.append("to change: " + "; ".join(remedies))
     if plan.fits_host is False and any(t.name == "host.pinned_pool_growth"
                                        and t.bytes >= POOL_EXHAUSTED for t in plan.terms):
