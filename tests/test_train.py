@@ -64,7 +64,9 @@ def test_operators_change_no_number(tmp_path, mesh, steps):
     same loss and gradients at the first step, and on the 2-D mesh the same losses over three
     steps (fp32, relative 1e-5). The 1-D mesh (every device on the sequence) checks the
     gradients only: its steps compile the slowest programs of the suite, and what the steps add
-    to the gradients (the optimizer's paths) does not depend on the mesh's shape."""
+    to the gradients (the optimizer's paths) does not depend on the mesh's shape (the weights
+    are sharded over all 8 devices in both). So the overlapped step's own forward and backward
+    run on the 2-D mesh only."""
     results = {}
     for name, switches in (("on", []), ("off", ALL_OFF)):
         config = small_config(*mesh, *switches)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -252,9 +253,11 @@ def _reasons(plan: Plan) -> list[str]:
         remedies.append("`peakflat plan CONFIG --auto` to choose the knobs")
         if plan.platform == "gpu" and plan.total_bytes <= REMAT_REACH * plan.device_memory:
             remedies.append(
-                "or let XLA try (train.device_memory_gib above the device's memory lifts the "
-                "check): past the device XLA:GPU recomputes values to fit where it can, which "
-                "the plan does not count, at a cost in time (docs/plan.md)")
+                "or let XLA try: pin the operators and optimizer.resident_groups this plan "
+                "chose (a lifted check plans for the larger budget and may choose others) and "
+                f"lift the check with train.device_memory_gib={math.ceil(plan.total_bytes / GIB)}:"
+                " past the device XLA:GPU recomputes values to fit where it can, which the plan "
+                "does not count, at a cost in time not yet measured (docs/plan.md)")
         reasons.append("to change: " + "; ".join(remedies))
     if plan.fits_host is False and any(t.name == "host.pinned_pool_growth"
                                        and t.bytes >= POOL_EXHAUSTED for t in plan.terms):
