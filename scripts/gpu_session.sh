@@ -15,6 +15,10 @@
 #     test -f /tmp/gpu-logs/driver.log || { echo "no driver here"; exit 3; }; \
 #     for i in $(seq 110); do grep -q "all done" /tmp/gpu-logs/driver.log && break; sleep 5; done; \
 #     bash /tmp/work/.gpu/driver.sh collect
+#   A call answered "taken back for other work" lost its machine and the driver with it: make
+#   call 1 again (the stages in the order left to run; 2026-12-03 22:41 lost 560 s so). Where a
+#   driver ends early, a second one can run on the warm machine: call 1's form, with
+#   `rm -rf /tmp/gpu-logs;` first.
 #   then give_back at once and write the record with scripts/record_gpu_session.py. (2026-12-03
 #   16:24: call 1 found no machine, and calls 2 and 3, batched after it without the test, each
 #   started one and waited 560 s on a driver that never started: 1,300 of the 1,800 s lost.) A
@@ -24,19 +28,20 @@
 # left null, the planner would keep every group on a device it believes is 1 PB.
 #
 # What each stage answers:
-#   train940k    issue 25: h200-1 at 940,692 (1.1x the plan's largest, 855,174) with the knobs the
-#                plan chose at 855,174, device check lifted, 3 steps: XLA:GPU compiled it at
-#                130.10 GiB by rematerializing (2026-12-03 19:12); does it train, and what does
-#                the recomputation cost a step (855,174: 49.88 s)?
-#   check1p2     issue 25: the same knobs at 1,026,208 (1.2x), compiled only: is XLA past the
-#                device's 132.8 there, remat or not?
-#   on592k       issue 26: all four forced on at the standard stack's largest, 592,826 (the
-#                planner's resident count, 8 of 8), 3 steps, against the standard stack's 30.862 s
-#                of the 19:28 driver (target <= 1.25x)
-#   ours889k     issue 26: 1.5x the standard stack's largest, 889,240, with the knobs of 855,174
-#                and the device check lifted (past ours' plan, 1.44x), 3 steps, the last two
-#                profiled: how much of the optimizer's 70.9 GB a step stays exposed at long
-#                context (855,174's steps: 50.49 s gradient only, then 49.85 and 49.91 with it)
+#   all4on889k   issue 26's last row: all four forced on (the ring loss where the planner chose
+#                the materialized one) at 889,240, 1.5x the standard stack's largest, the other
+#                knobs of 855,174 pinned, the device check lifted, 3 steps: against ours889k of
+#                2026-12-03 22:51 (52.615 s, materialized loss, the same knobs otherwise)
+#   dump_e2e270k issues 25/27: h200-e2e's scanned overlapped step at 270,336 (half of e2e_8x's
+#                540,672), compiled only, its buffer assignment and live ranges dumped: do the
+#                MoE stack's boundaries and the overlap's terms leave before the dense FFN's
+#                backward at another context too (the refinement docs/plan.md's ninth-driver
+#                section proposes, which needs this to hold as a bound)?
+#   dump_e2e540k_unrolled  the same at 540,672 with the layer loop unrolled: where are the
+#                overlap's terms live when each MoE layer's update runs inside the forward?
+#   check1p2     issue 25: h200-1 at 1,026,208 (1.2x ours' planned largest) with its knobs,
+#                compiled only: is XLA past the device's 132.8 there, remat or not? (940,692,
+#                1.1x, trained at 130.10 GiB on 2026-12-03 23:26)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -58,22 +63,30 @@ train=(python3 -m peakflat_jax.cli train)  # timeout runs programs, not shell fu
 plan=(python3 -m peakflat_jax.cli plan)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 export PEAKFLAT_JAX_CACHE=/tmp/cache
-ALL_ON=(operators.moe_dispatch=pipelined operators.loss=ring operators.offload=all
-        operators.optimizer_offload=true)
 unbounded=(train.device_memory_gib=1000000 train.host_memory_gib=1000000)
 pinned=(operators.moe_dispatch=pipelined operators.token_budget=16384 operators.loss=materialized
         operators.offload=all operators.optimizer_offload=true optimizer.resident_groups=0)
 three=(train.steps=3 "${nc[@]}")
 lifted=(train.device_memory_gib=1000000)  # the host's budget stays the machine's
-# 1. Issue 25: 1.1x ours' planned largest, which XLA fits by its own remat; then 1.2x.
-run train940k 480 "${train[@]}" h200-1 data.seq_len=940692 "${pinned[@]}" "${lifted[@]}" \
-  "${three[@]}" --run-dir /tmp/r1
-keep /tmp/r1 train940k
+# 1. Issue 26's last row: all four forced on at 1.5x the standard stack's largest.
+run all4on889k 420 "${train[@]}" h200-1 data.seq_len=889240 "${pinned[@]}" operators.loss=ring \
+  "${lifted[@]}" "${three[@]}" --run-dir /tmp/r1
+keep /tmp/r1 all4on889k
+# 2. Issues 25/27: h200-e2e's overlapped step dumped at another context, and unrolled.
+E2E=(h200-e2e operators.moe_dispatch=pipelined operators.token_budget=56292 operators.loss=ring
+     operators.offload=none operators.optimizer_offload=true optimizer.resident_groups=0)
+dump() {  # dump NAME LIMIT plan-args...: compile only, keep the overlapped step's two files
+  local name=$1 limit=$2; shift 2
+  rm -rf /tmp/xla-dump
+  XLA_FLAGS="--xla_dump_to=/tmp/xla-dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=overlapped" \
+    run "$name" "$limit" "${plan[@]}" "$@" "${unbounded[@]}" --check
+  (cd /tmp/xla-dump && tar -czf "$LOGS/xla_dump_$name.tgz" \
+    $(ls | grep -E "overlapped.*after_optimizations-buffer-assignment\.txt" | head -1) \
+    $(ls | grep -E "overlapped.*after_optimizations-live-range\.txt" | head -1)) 2>/dev/null
+  rm -rf /tmp/xla-dump
+}
+dump dump_e2e270k 240 "${E2E[@]}" data.seq_len=270336 operators.layer_loop=scan
+dump dump_e2e540k_unrolled 240 "${E2E[@]}" data.seq_len=540672 operators.layer_loop=unrolled
+# 3. Issue 25: 1.2x ours' planned largest, compiled.
 run check1p2 260 "${plan[@]}" h200-1 data.seq_len=1026208 "${pinned[@]}" "${unbounded[@]}" --check
-# 2. Issue 26's long rows: all four at the standard stack's largest, ours at 1.5x it.
-run on592k 330 "${train[@]}" h200-1 data.seq_len=592826 "${ALL_ON[@]}" "${three[@]}" --run-dir /tmp/r1
-keep /tmp/r1 on592k
-run ours889k 420 "${train[@]}" h200-1 data.seq_len=889240 "${pinned[@]}" "${lifted[@]}" \
-  "${three[@]}" train.profile_steps=2 --run-dir /tmp/r1
-keep /tmp/r1 ours889k
 echo "=== all done $(date -Is)"
