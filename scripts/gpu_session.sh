@@ -32,11 +32,13 @@
 #                the materialized one) at 889,240, 1.5x the standard stack's largest, the other
 #                knobs of 855,174 pinned, the device check lifted, 3 steps: against ours889k of
 #                2026-12-03 22:51 (52.615 s, materialized loss, the same knobs otherwise)
-#   dump_e2e270k issues 25/27: h200-e2e's scanned overlapped step at 270,336 (half of e2e_8x's
-#                540,672), compiled only, its buffer assignment and live ranges dumped: do the
-#                MoE stack's boundaries and the overlap's terms leave before the dense FFN's
-#                backward at another context too (the refinement docs/plan.md's ninth-driver
-#                section proposes, which needs this to hold as a bound)?
+#   dump_e2e684k issues 25/27: h200-e2e's scanned overlapped step at 684,042, the plan's largest
+#                with the layer loop scanned since the update's terms are counted beside the
+#                dense layer's forward only (overlap.forward: 540,672 planned at 1.176x XLA's
+#                compile there, from 1.37x), compiled only, buffer assignment and live ranges
+#                dumped, with the knobs the planner chose there (pipelined, B = 97,721, ring,
+#                SCO on every boundary, 2 of 12 groups resident): does that bound hold at a
+#                context no run has reached?
 #   dump_e2e540k_unrolled  the same at 540,672 with the layer loop unrolled: where are the
 #                overlap's terms live when each MoE layer's update runs inside the forward?
 #   check1p2     issue 25: h200-1 at 1,026,208 (1.2x ours' planned largest) with its knobs,
@@ -85,7 +87,9 @@ dump() {  # dump NAME LIMIT plan-args...: compile only, keep the overlapped step
     $(ls | grep -E "overlapped.*after_optimizations-live-range\.txt" | head -1)) 2>/dev/null
   rm -rf /tmp/xla-dump
 }
-dump dump_e2e270k 240 "${E2E[@]}" data.seq_len=270336 operators.layer_loop=scan
+dump dump_e2e684k 300 h200-e2e data.seq_len=684042 operators.layer_loop=scan \
+  operators.moe_dispatch=pipelined operators.token_budget=97721 operators.loss=ring \
+  operators.offload=all operators.optimizer_offload=true optimizer.resident_groups=2
 dump dump_e2e540k_unrolled 240 "${E2E[@]}" data.seq_len=540672 operators.layer_loop=unrolled
 # 3. Issue 25: 1.2x ours' planned largest, compiled.
 run check1p2 260 "${plan[@]}" h200-1 data.seq_len=1026208 "${pinned[@]}" "${unbounded[@]}" --check

@@ -928,10 +928,9 @@ SESSION8_RUNS = [
      None),
     ("auto64k", "h200-e2e", ["data.seq_len=65536"], None),
     ("on512k_autoK", "h200-1", ON + ["data.seq_len=524288", "optimizer.resident_groups=4"], None),
-    ("e2e_8x", "h200-e2e", E2E_8X, "1.37x: the plan's peak, the dense FFN's backward, counts "
-     "the MoE stack's boundaries (22.7 GiB) and the overlap's terms (26.4), which XLA:GPU freed "
-     "before it (its buffer assignment, xla_gpu_live_ranges_h200-e2e_on540k_scan_20261203.tgz; "
-     "docs/plan.md, the ninth driver)"),
+    # 1.37x until the update's terms were counted beside the dense layer's forward and not
+    # the backward where the layer loop is scanned (overlap.forward): 1.17x.
+    ("e2e_8x", "h200-e2e", E2E_8X, None),
 ]
 
 
@@ -1017,8 +1016,7 @@ PINNED_AT_LARGEST = ["operators.moe_dispatch=pipelined", "operators.token_budget
     (SESSION9, "slop524k", "h200-1", ON + ["data.seq_len=524288", "optimizer.resident_groups=4"],
      "overlapped"),
     (SESSION9, "dump_e2e540k", "h200-e2e", E2E_8X, "optimizer_step"),
-    pytest.param(SESSION9, "dump_e2e540k", "h200-e2e", E2E_8X, "overlapped",
-                 marks=_over("1.37x (as e2e_8x, trained: 105.15 GiB)")),
+    (SESSION9, "dump_e2e540k", "h200-e2e", E2E_8X, "overlapped"),
     # The first compiles with the dense FFN's backward ordered (the 19:12 driver): 524,288 at
     # 82.13 GiB against 90.92, where XLA had chosen that order itself at 82.36 before the
     # barrier; 940,692 at 130.10 against 143.62.

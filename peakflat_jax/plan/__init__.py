@@ -7,6 +7,9 @@ per device, each with a one-line formula, and composes them as the step runs:
 
     gradient program = persistent + boundaries + backward + max(layer, loss, embedding[, update])
     overlapped program = gradient program + staging + the MoE layers' per-layer weights
+                         (scanned on a GPU: persistent + boundaries + backward + those beside
+                         max(the dense layer's forward, loss, embedding), or the gradient
+                         program, whichever is larger; + XLA:GPU's packing either way)
     optimizer program = grads + working params + staging  (OffloadStreamAdamW's own program)
     device total = max(the programs the trainer compiles)
 

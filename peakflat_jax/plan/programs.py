@@ -26,17 +26,23 @@ from peakflat_jax.plan.terms import (
 
 def program_bytes(terms: Sequence[Term]) -> dict[str, int]:
     """The device bytes of each program at its peak: ``gradient`` (or the fused step) =
-    persistent + boundaries + backward + the largest phase; ``overlapped`` (the gradient
-    program's terms and the overlap's, the staging counted beside every phase: an upper bound,
-    as the updates run during the forward); ``optimizer_step`` (when present)."""
+    persistent + boundaries + backward + the largest phase; ``overlapped``: the gradient
+    program's terms and the overlap's, the ``overlap`` terms beside every phase (an upper
+    bound: unrolled, XLA:GPU holds the new weights to the step's end) and the
+    ``overlap.forward`` ones (scanned) beside the largest of the layer's forward, the loss and
+    the embedding; ``optimizer_step`` (when present)."""
     by_live: dict[str, int] = {}
     for term in terms:
         by_live[term.live] = by_live.get(term.live, 0) + term.bytes
     phases = phase_bytes(terms)
-    programs = {"gradient": by_live.get("persistent", 0) + by_live.get("boundaries", 0)
-                + by_live.get("backward", 0) + max(phases.values())}
-    if "overlap" in by_live:
-        programs["overlapped"] = programs["gradient"] + by_live["overlap"]
+    kept = (by_live.get("persistent", 0) + by_live.get("boundaries", 0)
+            + by_live.get("backward", 0))
+    programs = {"gradient": kept + max(phases.values())}
+    if "overlap" in by_live or "overlap.forward" in by_live:
+        everywhere = by_live.get("overlap", 0)
+        forward = max(by_live.get("forward", 0), phases["loss"], phases["embedding"])
+        programs["overlapped"] = everywhere + max(
+            programs["gradient"], kept + by_live.get("overlap.forward", 0) + forward)
     if "optimizer_step" in by_live:
         programs["optimizer_step"] = by_live["optimizer_step"]
     return programs

@@ -115,6 +115,10 @@ MEMORY_FORMULAS: dict[str, str] = {
                                      "bytes; XLA:GPU's buffer assignments of h200-1's "
                                      "overlapped step at 64K, EP and pipelined: 9.5 GiB live "
                                      "against 10.1)",
+    "forward.dense_layer": "the dense layer's forward on a GPU: what the layer holds but the "
+                           "carried cotangent, and the FFN's gate, up and product, 3 * N * F_d "
+                           "* b (_first_layer_forward; h200-e2e's buffer assignment at 540,672: "
+                           "its peak there, the three held); 0 without dense layers",
     "overlap.packing_gpu": "3 * N * H * b on a GPU: what XLA:GPU's packing of the overlapped "
                            "step's temporaries leaves unused at its peak (its buffer "
                            "assignments: 2.51 [N, H] at 698,002 tokens, h200-1 unrolled; 2.93 "
@@ -140,6 +144,12 @@ LIVE_SETS = {
     "optimizer_step": "OffloadStreamAdamW's own program, after the gradients",
     "overlap": "with operators.optimizer_overlap, beside the gradient program's terms in the "
                "program that applies the last step's update before each layer's forward",
+    "overlap.forward": "the same, where the layer loop is scanned on a GPU: the whole update "
+                       "runs before the MoE stack's loop, beside the embedding and the dense "
+                       "layers' forward (counted beside the loss too), not the backward "
+                       "(h200-e2e's buffer assignment at 540,672: 0.6 GiB of the update live "
+                       "in the dense FFN's backward)",
+    "forward": "the dense layer's forward, beside the update's terms (overlap.forward)",
     "host": "host memory, per device",
 }
 """Where each term is live. The phases (layer, loss, embedding, update) never overlap: the
@@ -388,9 +398,20 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
     add("integer_leaves", integer, "boundaries", sco_module.MEMORY_FORMULAS["integer_leaves"])
 
     # One layer's recompute and backward: the larger of the dense and the MoE layer.
-    for name, value, live, formula in _layer_terms(config, knobs, platform, weights,
-                                                   layer_sets, pressed):
+    layer, first_forward = _layer_terms(config, knobs, platform, weights, layer_sets, pressed)
+    for name, value, live, formula in layer:
         add(name, value, live, formula)
+    loop = config.operators.layer_loop
+    loop = auto_layer_loop(knobs, platform) if loop == "auto" else loop
+    # Scanned, the overlapped step applies the whole update before the MoE stack's loop (which
+    # takes the stacked weights), beside the embedding and the dense layers' forward, and
+    # nothing of it outlives them: the update's terms are counted there (overlap.forward), not
+    # beside the backward.
+    scanned_overlap = (platform == "gpu" and knobs.optimizer_overlap and knobs.optimizer_offload
+                       and loop == "scan")
+    update_live = "overlap.forward" if scanned_overlap else "overlap"
+    if scanned_overlap:
+        add("forward.dense_layer", first_forward, "forward", MEMORY_FORMULAS["forward.dense_layer"])
 
     # The loss.
     add("final_hidden", 3 * n * h * 4, "loss")
@@ -442,7 +463,7 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
             bucket = min(knobs.bucket_params, weights.param_count)
             add("overlap.deferred_writeback",
                 offload_module.offload_stream_adamw_host_bytes(weights.param_count, resident)
-                + 12 * bucket, "overlap",
+                + 12 * bucket, update_live,
                 "12 * (P - P_r) + 12 * min(beta, P): every streamed bucket's new fp32 master, "
                 "mu and nu, held on the device from its update until the forward's loss "
                 "(written back under the backward), and one bucket's fp32 gradient and "
@@ -451,12 +472,12 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
             # XLA:CPU updates the donated host buffers in place: nothing is staged there
             # (tests/test_optim_memory.py measured it).
             staged = step["staging"] + step["staging_gpu_excess"] if platform == "gpu" else 0
-            add("overlap.staging", staged, "overlap",
+            add("overlap.staging", staged, update_live,
                 "the optimizer step's staging terms (above), now inside the step's program; 0 "
                 "on CPU, where XLA updates in place")
         if knobs.optimizer_overlap and platform == "gpu":
             add("overlap.moe_layer_weights",
-                weights.params + max(num_moe - 1, 0) * weights.layer_shard["moe"], "overlap",
+                weights.params + max(num_moe - 1, 0) * weights.layer_shard["moe"], update_live,
                 MEMORY_FORMULAS["overlap.moe_layer_weights_gpu"])
             add("overlap.packing", 3 * n * h * itemsize, "overlap",
                 MEMORY_FORMULAS["overlap.packing_gpu"])
@@ -481,8 +502,6 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
     add("host.data_pipeline", _pipeline_bytes(config, knobs), "host",
         MEMORY_FORMULAS["data_pipeline"])
     if platform == "gpu":
-        loop = config.operators.layer_loop
-        loop = auto_layer_loop(knobs, platform) if loop == "auto" else loop
         pinned = pinned_allocations(knobs, terms)
         growth = _pool_growth(config, pinned)
         pool = sum(pinned) + growth if growth != POOL_EXHAUSTED else 0
@@ -535,8 +554,10 @@ def _pool_growth(config: Config, pinned: list[int]) -> int:
 
 
 def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightBytes,
-                 layer_sets: dict, pressed: bool = False) -> list[tuple[str, int, str, str]]:
-    """(name, bytes, live, formula) of the largest layer's recompute and backward. Within the
+                 layer_sets: dict, pressed: bool = False
+                 ) -> tuple[list[tuple[str, int, str, str]], int]:
+    """(name, bytes, live, formula) of the largest layer's recompute and backward, and the
+    dense layer's forward (``_first_layer_forward``; 0 without dense layers). Within the
     layer, the attention's backward and the FFN's (or MoE's) are sub-phases of their own beside
     what the whole layer holds (its saved activations and weights); what one sub-phase keeps
     through the other is a term of that other (on a GPU, ``ffn.under_attention``: the dense
@@ -573,6 +594,7 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
          MEMORY_FORMULAS["attention.backward"]),
     ]
     candidates = []
+    first_forward = 0
     for kind, sco in layer_sets.items():
         terms = [(key, value, "layer", sco_formulas[key]) for key, value in sco.items()]
         terms.append(("gathered_weights", 2 * weights.layer_whole_dense[kind], "layer",
@@ -632,12 +654,27 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
                                 "expert_ffn": MEMORY_FORMULAS["moe.expert_ffn_gpu"]}
             terms += [(f"moe.{key}", value, "layer/ffn", formulas[key])
                       for key, value in moe.items()]
+        if kind == "dense":
+            first_forward = _first_layer_forward(terms, n * model.dense_ffn * itemsize
+                                                 if platform == "gpu" else None)
         candidates.append((phase_total(terms, "layer"), kind, terms))
     if not candidates:
-        return []
+        return [], 0
     _, kind, terms = max(candidates, key=lambda c: c[0])
-    return [(name, value, live, f"[{kind} layer] {formula}")
-            for name, value, live, formula in terms]
+    return ([(name, value, live, f"[{kind} layer] {formula}")
+             for name, value, live, formula in terms], first_forward)
+
+
+def _first_layer_forward(terms: list[tuple[str, int, str, str]], dense_ffn: int | None) -> int:
+    """The dense layer's forward (its terms as ``_layer_terms`` gives them): what the whole
+    layer holds but the carried cotangent, and the FFN's forward, on a GPU its gate, up and
+    product (three ``[N, F_d]``: ``dense_ffn`` is one; elsewhere the FFN's backward terms, a
+    bound)."""
+    own = sum(value for name, value, live, _ in terms
+              if live == "layer" and name != "carry_cotangents")
+    if dense_ffn is not None:
+        return own + 3 * dense_ffn
+    return own + sum(value for _, value, live, _ in terms if live == "layer/ffn")
 
 
 # What XLA:GPU's buffer assignment gave cuDNN's attention backward beyond the R-fold arrays
