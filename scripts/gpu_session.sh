@@ -33,7 +33,7 @@
 #                knobs of 855,174 pinned, the device check lifted, 3 steps: against ours889k of
 #                2026-12-03 22:51 (52.615 s, materialized loss, the same knobs otherwise)
 #   dump_e2e684k issues 25/27: h200-e2e's scanned overlapped step at 684,042, the plan's largest
-#                with the layer loop scanned since the update's terms are counted beside the
+#                with the layer loop scanned since the MoE layers' new weights are counted beside the
 #                dense layer's forward only (overlap.forward: 540,672 planned at 1.176x XLA's
 #                compile there, from 1.37x), compiled only, buffer assignment and live ranges
 #                dumped, with the knobs the planner chose there (pipelined, B = 97,721, ring,
