@@ -33,9 +33,10 @@
 #                knobs of 855,174 pinned, the device check lifted, 3 steps: against ours889k of
 #                2026-12-03 22:51 (52.615 s, materialized loss, the same knobs otherwise)
 #   dump_e2e684k issues 25/27: h200-e2e's scanned overlapped step at 684,042, the plan's largest
-#                with the layer loop scanned since the MoE layers' new weights are counted beside the
-#                dense layer's forward only (overlap.forward: 540,672 planned at 1.176x XLA's
-#                compile there, from 1.37x), compiled only, buffer assignment and live ranges
+#                with the layer loop scanned since the MoE layers' new weights are counted
+#                beside the dense layer's forward only (overlap.forward: 540,672 planned at
+#                1.176x XLA's compile there, from 1.37x), compiled only, buffer assignment and
+#                live ranges
 #                dumped, with the knobs the planner chose there (pipelined, B = 97,721, ring,
 #                SCO on every boundary, 2 of 12 groups resident): does that bound hold at a
 #                context no run has reached?

@@ -928,8 +928,8 @@ SESSION8_RUNS = [
      None),
     ("auto64k", "h200-e2e", ["data.seq_len=65536"], None),
     ("on512k_autoK", "h200-1", ON + ["data.seq_len=524288", "optimizer.resident_groups=4"], None),
-    # 1.37x until the MoE layers' new weights were counted beside the dense layer's forward and not
-    # the backward where the layer loop is scanned (overlap.forward): 1.17x.
+    # 1.37x until the MoE layers' new weights were counted beside the dense layer's forward,
+    # not the backward, where the layer loop is scanned (overlap.forward): 1.17x.
     ("e2e_8x", "h200-e2e", E2E_8X, None),
 ]
 

@@ -7,9 +7,10 @@ per device, each with a one-line formula, and composes them as the step runs:
 
     gradient program = persistent + boundaries + backward + max(layer, loss, embedding[, update])
     overlapped program = gradient program + staging + the MoE layers' per-layer weights
-                         (scanned on a GPU: persistent + boundaries + backward + those beside
-                         max(the dense layer's forward, loss, embedding), or the gradient
-                         program, whichever is larger; + XLA:GPU's packing either way)
+                         (scanned on a GPU: the MoE layers' new weights counted beside
+                         max(the dense layer's forward, loss, embedding) only, with persistent +
+                         boundaries + backward, or the gradient program, whichever is larger;
+                         staging and XLA:GPU's packing beside either)
     optimizer program = grads + working params + staging  (OffloadStreamAdamW's own program)
     device total = max(the programs the trainer compiles)
 

@@ -29,8 +29,8 @@ def program_bytes(terms: Sequence[Term]) -> dict[str, int]:
     persistent + boundaries + backward + the largest phase; ``overlapped``: the gradient
     program's terms and the overlap's, the ``overlap`` terms beside every phase (an upper
     bound: unrolled, XLA:GPU holds the new weights to the step's end) and the
-    ``overlap.forward`` ones (scanned) beside the largest of the layer's forward, the loss and
-    the embedding; ``optimizer_step`` (when present)."""
+    ``overlap.forward`` ones (scanned: the MoE layers' new weights) beside the largest of the
+    dense layer's forward, the loss and the embedding; ``optimizer_step`` (when present)."""
     by_live: dict[str, int] = {}
     for term in terms:
         by_live[term.live] = by_live.get(term.live, 0) + term.bytes

@@ -150,7 +150,8 @@ LIVE_SETS = {
                        "(h200-e2e's buffer assignment at 540,672: of the update, 0.72 GiB of "
                        "staged fp32 buckets live in the dense FFN's backward, 1.22 before it, "
                        "under overlap.staging's 1.86)",
-    "forward": "the dense layer's forward, beside the update's terms (overlap.forward)",
+    "forward": "the dense layer's forward, beside the MoE layers' new weights "
+               "(overlap.forward)",
     "host": "host memory, per device",
 }
 """Where each term is live. The phases (layer, loss, embedding, update) never overlap: the
@@ -410,7 +411,7 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
     # and a write-back deferred to the backward outlive that forward: they stay in "overlap".
     scanned_overlap = (platform == "gpu" and knobs.optimizer_overlap and knobs.optimizer_offload
                        and loop == "scan")
-    update_live = "overlap.forward" if scanned_overlap else "overlap"
+    new_weights_live = "overlap.forward" if scanned_overlap else "overlap"
     if scanned_overlap:
         add("forward.dense_layer", first_forward, "forward", MEMORY_FORMULAS["forward.dense_layer"])
 
@@ -478,7 +479,7 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
                 "on CPU, where XLA updates in place")
         if knobs.optimizer_overlap and platform == "gpu":
             add("overlap.moe_layer_weights",
-                weights.params + max(num_moe - 1, 0) * weights.layer_shard["moe"], update_live,
+                weights.params + max(num_moe - 1, 0) * weights.layer_shard["moe"], new_weights_live,
                 MEMORY_FORMULAS["overlap.moe_layer_weights_gpu"])
             add("overlap.packing", 3 * n * h * itemsize, "overlap",
                 MEMORY_FORMULAS["overlap.packing_gpu"])
@@ -558,7 +559,7 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
                  layer_sets: dict, pressed: bool = False
                  ) -> tuple[list[tuple[str, int, str, str]], int]:
     """(name, bytes, live, formula) of the largest layer's recompute and backward, and the
-    dense layer's forward (``_first_layer_forward``; 0 without dense layers). Within the
+    dense layer's forward on a GPU (``_first_layer_forward``; else 0). Within the
     layer, the attention's backward and the FFN's (or MoE's) are sub-phases of their own beside
     what the whole layer holds (its saved activations and weights); what one sub-phase keeps
     through the other is a term of that other (on a GPU, ``ffn.under_attention``: the dense
@@ -655,9 +656,8 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
                                 "expert_ffn": MEMORY_FORMULAS["moe.expert_ffn_gpu"]}
             terms += [(f"moe.{key}", value, "layer/ffn", formulas[key])
                       for key, value in moe.items()]
-        if kind == "dense":
-            first_forward = _first_layer_forward(terms, n * model.dense_ffn * itemsize
-                                                 if platform == "gpu" else None)
+        if kind == "dense" and platform == "gpu":
+            first_forward = _first_layer_forward(terms, n * model.dense_ffn * itemsize)
         candidates.append((phase_total(terms, "layer"), kind, terms))
     if not candidates:
         return [], 0
@@ -666,16 +666,14 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
              for name, value, live, formula in terms], first_forward)
 
 
-def _first_layer_forward(terms: list[tuple[str, int, str, str]], dense_ffn: int | None) -> int:
-    """The dense layer's forward (its terms as ``_layer_terms`` gives them): what the whole
-    layer holds but the carried cotangent, and the FFN's forward, on a GPU its gate, up and
-    product (three ``[N, F_d]``: ``dense_ffn`` is one; elsewhere the FFN's backward terms, a
-    bound)."""
+def _first_layer_forward(terms: list[tuple[str, int, str, str]], dense_ffn: int) -> int:
+    """The dense layer's forward on a GPU (its terms as ``_layer_terms`` gives them): what the
+    whole layer holds but the carried cotangent, and the FFN's gate, up and product (three
+    ``[N, F_d]``, ``dense_ffn`` bytes each: h200-e2e's buffer assignment at 540,672 holds the
+    three at its peak)."""
     own = sum(value for name, value, live, _ in terms
               if live == "layer" and name != "carry_cotangents")
-    if dense_ffn is not None:
-        return own + 3 * dense_ffn
-    return own + sum(value for _, value, live, _ in terms if live == "layer/ffn")
+    return own + 3 * dense_ffn
 
 
 # What XLA:GPU's buffer assignment gave cuDNN's attention backward beyond the R-fold arrays
