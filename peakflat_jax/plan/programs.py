@@ -26,7 +26,9 @@ from peakflat_jax.plan.terms import (
 
 def program_bytes(terms: Sequence[Term]) -> dict[str, int]:
     """The device bytes of each program at its peak: ``gradient`` (or the fused step) =
-    persistent + boundaries + backward + the largest phase; ``overlapped``: the gradient
+    persistent + boundaries + backward + the largest phase, the later stack's boundaries
+    (``boundaries.later``: unrolled, with a dense peak layer) beside every phase but that
+    layer's; ``overlapped``: the gradient
     program's terms and the overlap's, the ``overlap`` terms beside every phase (an upper
     bound: unrolled, XLA:GPU holds the new weights to the step's end) and the
     ``overlap.forward`` ones (scanned: the MoE layers' new weights) beside the largest of the
@@ -37,12 +39,14 @@ def program_bytes(terms: Sequence[Term]) -> dict[str, int]:
     phases = phase_bytes(terms)
     kept = (by_live.get("persistent", 0) + by_live.get("boundaries", 0)
             + by_live.get("backward", 0))
-    programs = {"gradient": kept + max(phases.values())}
+    later = by_live.get("boundaries.later", 0)
+    others = max(value for phase, value in phases.items() if phase != "layer")
+    programs = {"gradient": kept + max(phases["layer"], later + others)}
     if "overlap" in by_live or "overlap.forward" in by_live:
         everywhere = by_live.get("overlap", 0)
         forward = max(by_live.get("forward", 0), phases["loss"], phases["embedding"])
         programs["overlapped"] = everywhere + max(
-            programs["gradient"], kept + by_live.get("overlap.forward", 0) + forward)
+            programs["gradient"], kept + later + by_live.get("overlap.forward", 0) + forward)
     if "optimizer_step" in by_live:
         programs["optimizer_step"] = by_live["optimizer_step"]
     return programs

@@ -29,6 +29,10 @@ MEMORY_FORMULAS: dict[str, str] = {
     "grads": "P * b: their gradients, placed alike",
     "optimizer_update_host_cpu": "0: the update runs on the host CPU (optimizer.update_on: "
                                  "host_cpu), its state and transit are host terms",
+    "kept_boundaries.moe_stack": "(L_m - n_offloaded_m) * C: the MoE stack's kept boundaries "
+                                 "where the layer loop is unrolled and the peak layer is "
+                                 "dense: beside the loss and the MoE layers' backward, each "
+                                 "freed by its own before the dense layers'",
     "router_bias": "2 * L_m * E * 4: the router's balancing bias (fp32, replicated), in and out",
     "batch": "4 * N * 4: tokens, targets, positions, segment ids (int32)",
     "gathered_weights": "2 * D_l * b: the layer's dense weights all-gathered whole, and their "
@@ -134,6 +138,11 @@ MEMORY_FORMULAS: dict[str, str] = {
 LIVE_SETS = {
     "persistent": "the whole step",
     "boundaries": "from each layer's forward to its backward",
+    "boundaries.later": "the MoE stack's boundaries where the layer loop is unrolled and the "
+                        "peak layer is dense: live through the loss and every MoE layer's "
+                        "backward, each freed by its own, so none is left in the dense "
+                        "layers' (h200-e2e's buffer assignment at 540,672 unrolled: one [N, H] "
+                        "boundary live at its peak, in the dense FFN's backward)",
     "backward": "through the backward, whatever phase it is in",
     "layer": "one layer's recompute and backward (the largest layer kind)",
     "layer/attention": "within the layer: attention's backward",
@@ -387,24 +396,31 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
     if num_moe:
         stacks.append(("moe", knobs.offload[num_dense:], 2 * n * 4 + num_moe * model.num_experts
                        * 4))
-    kept = integer = 0
+    kept, integer = {}, 0
     layer_sets = {}
     for kind, offload, integer_bytes in stacks:
         sco = sco_module.sco_memory_terms(len(offload), sum(offload), boundary,
                                           weights.layer_shard[kind], 0, integer_bytes)
-        kept += sco["kept_boundaries"]
+        kept[kind] = sco["kept_boundaries"]
         integer += sco["integer_leaves"]
         layer_sets[kind] = {key: sco[key] for key in ("restored_boundaries", "carry_cotangents",
                                                       "layer_parameters")}
-    add("kept_boundaries", kept, "boundaries", sco_module.MEMORY_FORMULAS["kept_boundaries"])
-    add("integer_leaves", integer, "boundaries", sco_module.MEMORY_FORMULAS["integer_leaves"])
-
-    # One layer's recompute and backward: the larger of the dense and the MoE layer.
-    layer, first_forward = _layer_terms(config, knobs, platform, weights, layer_sets, pressed)
-    for name, value, live, formula in layer:
-        add(name, value, live, formula)
     loop = config.operators.layer_loop
     loop = auto_layer_loop(knobs, platform) if loop == "auto" else loop
+
+    # One layer's recompute and backward: the dense or the MoE layer, whichever holds more
+    # with the boundaries still live in its backward (unrolled, a dense layer's backward comes
+    # after every MoE layer's has freed its boundary: only the dense stack's are left).
+    layer, kind, first_forward = _layer_terms(config, knobs, platform, weights, layer_sets,
+                                              kept if loop == "unrolled" else None, pressed)
+    at_layer = kept.get("dense", 0) if kind == "dense" and loop == "unrolled" else sum(
+        kept.values())
+    add("kept_boundaries", at_layer, "boundaries", sco_module.MEMORY_FORMULAS["kept_boundaries"])
+    if sum(kept.values()) > at_layer:
+        add("kept_boundaries.moe_stack", sum(kept.values()) - at_layer, "boundaries.later")
+    add("integer_leaves", integer, "boundaries", sco_module.MEMORY_FORMULAS["integer_leaves"])
+    for name, value, live, formula in layer:
+        add(name, value, live, formula)
     # Scanned, the overlapped step assembles the MoE stack's new weights before its loop
     # (which takes them stacked), beside the embedding and the dense layers' forward: those
     # are counted there (overlap.forward), not beside the backward. The staged buckets' tail
@@ -556,10 +572,14 @@ def _pool_growth(config: Config, pinned: list[int]) -> int:
 
 
 def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightBytes,
-                 layer_sets: dict, pressed: bool = False
-                 ) -> tuple[list[tuple[str, int, str, str]], int]:
-    """(name, bytes, live, formula) of the largest layer's recompute and backward, and the
-    dense layer's forward on a GPU (``_first_layer_forward``; else 0). Within the
+                 layer_sets: dict, kept_by_stack: dict | None = None, pressed: bool = False
+                 ) -> tuple[list[tuple[str, int, str, str]], str, int]:
+    """(name, bytes, live, formula) of the largest layer's recompute and backward, its kind
+    (``dense`` or ``moe``), and the dense layer's forward on a GPU (``_first_layer_forward``;
+    else 0). ``kept_by_stack`` (unrolled): each stack's kept boundaries, of which a layer's
+    backward has its own stack's and those before it (the dense layers come first and are
+    differentiated last), so the largest layer is the one whose phase and those boundaries
+    are the most; None: every boundary is live in every layer's backward. Within the
     layer, the attention's backward and the FFN's (or MoE's) are sub-phases of their own beside
     what the whole layer holds (its saved activations and weights); what one sub-phase keeps
     through the other is a term of that other (on a GPU, ``ffn.under_attention``: the dense
@@ -658,12 +678,14 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
                       for key, value in moe.items()]
         if kind == "dense" and platform == "gpu":
             first_forward = _first_layer_forward(terms, n * model.dense_ffn * itemsize)
-        candidates.append((phase_total(terms, "layer"), kind, terms))
+        live_boundaries = (sum(kept_by_stack.values()) if kind == "moe" else
+                           kept_by_stack.get("dense", 0)) if kept_by_stack else 0
+        candidates.append((phase_total(terms, "layer") + live_boundaries, kind, terms))
     if not candidates:
-        return [], 0
+        return [], "", 0
     _, kind, terms = max(candidates, key=lambda c: c[0])
     return ([(name, value, live, f"[{kind} layer] {formula}")
-             for name, value, live, formula in terms], first_forward)
+             for name, value, live, formula in terms], kind, first_forward)
 
 
 def _first_layer_forward(terms: list[tuple[str, int, str, str]], dense_ffn: int) -> int:
