@@ -28,23 +28,12 @@
 # left null, the planner would keep every group on a device it believes is 1 PB.
 #
 # What each stage answers:
-#   all4on889k   issue 26's last row: all four forced on (the ring loss where the planner chose
-#                the materialized one) at 889,240, 1.5x the standard stack's largest, the other
-#                knobs of 855,174 pinned, the device check lifted, 3 steps: against ours889k of
-#                2026-12-03 22:51 (52.615 s, materialized loss, the same knobs otherwise)
-#   dump_e2e684k issues 25/27: h200-e2e's scanned overlapped step at 684,042, the plan's largest
-#                with the layer loop scanned since the MoE layers' new weights are counted
-#                beside the dense layer's forward only (overlap.forward: 540,672 planned at
-#                1.176x XLA's compile there, from 1.37x), compiled only, buffer assignment and
-#                live ranges
-#                dumped, with the knobs the planner chose there (pipelined, B = 97,721, ring,
-#                SCO on every boundary, 2 of 12 groups resident): does that bound hold at a
-#                context no run has reached?
-#   dump_e2e540k_unrolled  the same at 540,672 with the layer loop unrolled: where are the
-#                overlap's terms live when each MoE layer's update runs inside the forward?
-#   check1p2     issue 25: h200-1 at 1,026,208 (1.2x ours' planned largest) with its knobs,
-#                compiled only: is XLA past the device's 132.8 there, remat or not? (940,692,
-#                1.1x, trained at 130.10 GiB on 2026-12-03 23:26)
+#   auto_e2e534k issues 25/27: h200-e2e at the plan's largest context under operators auto,
+#                533,994 (unrolled, pipelined B = 66,750, ring, SCO on every boundary, 1 of 12
+#                groups resident: 129.3 GiB planned), never compiled nor trained: does it train
+#                3 steps at or under the plan, within 1.2x? The overlapped step's buffer
+#                assignment and live ranges are kept (~11 min with the compile; the lease's
+#                whole remaining budget)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -71,27 +60,12 @@ pinned=(operators.moe_dispatch=pipelined operators.token_budget=16384 operators.
         operators.offload=all operators.optimizer_offload=true optimizer.resident_groups=0)
 three=(train.steps=3 "${nc[@]}")
 lifted=(train.device_memory_gib=1000000)  # the host's budget stays the machine's
-# 1. Issue 26's last row: all four forced on at 1.5x the standard stack's largest.
-run all4on889k 420 "${train[@]}" h200-1 data.seq_len=889240 "${pinned[@]}" operators.loss=ring \
-  "${lifted[@]}" "${three[@]}" --run-dir /tmp/r1
-keep /tmp/r1 all4on889k
-# 2. Issues 25/27: h200-e2e's overlapped step dumped at another context, and unrolled.
-E2E=(h200-e2e operators.moe_dispatch=pipelined operators.token_budget=56292 operators.loss=ring
-     operators.offload=none operators.optimizer_offload=true optimizer.resident_groups=0)
-dump() {  # dump NAME LIMIT plan-args...: compile only, keep the overlapped step's two files
-  local name=$1 limit=$2; shift 2
-  rm -rf /tmp/xla-dump
-  XLA_FLAGS="--xla_dump_to=/tmp/xla-dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=overlapped" \
-    run "$name" "$limit" "${plan[@]}" "$@" "${unbounded[@]}" --check
-  (cd /tmp/xla-dump && tar -czf "$LOGS/xla_dump_$name.tgz" \
-    $(ls | grep -E "overlapped.*after_optimizations-buffer-assignment\.txt" | head -1) \
-    $(ls | grep -E "overlapped.*after_optimizations-live-range\.txt" | head -1)) 2>/dev/null
-  rm -rf /tmp/xla-dump
-}
-dump dump_e2e684k 300 h200-e2e data.seq_len=684042 operators.layer_loop=scan \
-  operators.moe_dispatch=pipelined operators.token_budget=97721 operators.loss=ring \
-  operators.offload=all operators.optimizer_offload=true optimizer.resident_groups=2
-dump dump_e2e540k_unrolled 240 "${E2E[@]}" data.seq_len=540672 operators.layer_loop=unrolled
-# 3. Issue 25: 1.2x ours' planned largest, compiled.
-run check1p2 260 "${plan[@]}" h200-1 data.seq_len=1026208 "${pinned[@]}" "${unbounded[@]}" --check
+# 1. Issues 25/27: h200-e2e at auto's largest, trained, its overlapped step dumped.
+rm -rf /tmp/xla-dump
+XLA_FLAGS="--xla_dump_to=/tmp/xla-dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=overlapped" \
+  run auto_e2e534k 720 "${train[@]}" h200-e2e data.seq_len=533994 "${three[@]}" --run-dir /tmp/r1
+keep /tmp/r1 auto_e2e534k
+(cd /tmp/xla-dump && tar -czf "$LOGS/xla_dump_auto_e2e534k.tgz" \
+  $(ls | grep -E "overlapped.*after_optimizations-buffer-assignment\.txt" | head -1) \
+  $(ls | grep -E "overlapped.*after_optimizations-live-range\.txt" | head -1)) 2>/dev/null
 echo "=== all done $(date -Is)"
