@@ -28,12 +28,15 @@
 # left null, the planner would keep every group on a device it believes is 1 PB.
 #
 # What each stage answers:
-#   auto_e2e534k issues 25/27: h200-e2e at the plan's largest context under operators auto,
-#                533,994 (unrolled, pipelined B = 66,750, ring, SCO on every boundary, 1 of 12
-#                groups resident: 129.3 GiB planned), never compiled nor trained: does it train
-#                3 steps at or under the plan, within 1.2x? The overlapped step's buffer
-#                assignment and live ranges are kept (~11 min with the compile; the lease's
-#                whole remaining budget)
+#   auto_e2e534k issue 25: h200-e2e at the plan's largest context under operators auto,
+#                533,994, with the knobs the trainer and `peakflat plan` now agree on (1 of 12
+#                groups resident, 8 chunks: 129.33 GiB planned; 2026-12-04 15:30 ran 0 groups
+#                and 6 chunks under its own cap: 89.22 GiB against 131.82, 1.48x). The
+#                overlapped step's buffer assignment and live ranges are kept (~11 min)
+#   dump_on855k  issue 25: h200-1 at its planned largest (855,174, the knobs auto chose there),
+#                compiled only and dumped: how many [M_c, H] and [M_c, F] rows the pipelined
+#                MoE holds on a GPU at B = 16,384 (h200-e2e's two dumps: four and six, against
+#                the CPU-measured terms' nine and six)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -60,12 +63,19 @@ pinned=(operators.moe_dispatch=pipelined operators.token_budget=16384 operators.
         operators.offload=all operators.optimizer_offload=true optimizer.resident_groups=0)
 three=(train.steps=3 "${nc[@]}")
 lifted=(train.device_memory_gib=1000000)  # the host's budget stays the machine's
-# 1. Issues 25/27: h200-e2e at auto's largest, trained, its overlapped step dumped.
+# 1. Issue 25: h200-e2e at auto's largest, trained, its overlapped step dumped.
 rm -rf /tmp/xla-dump
 XLA_FLAGS="--xla_dump_to=/tmp/xla-dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=overlapped" \
   run auto_e2e534k 720 "${train[@]}" h200-e2e data.seq_len=533994 "${three[@]}" --run-dir /tmp/r1
 keep /tmp/r1 auto_e2e534k
 (cd /tmp/xla-dump && tar -czf "$LOGS/xla_dump_auto_e2e534k.tgz" \
+  $(ls | grep -E "overlapped.*after_optimizations-buffer-assignment\.txt" | head -1) \
+  $(ls | grep -E "overlapped.*after_optimizations-live-range\.txt" | head -1)) 2>/dev/null
+# 2. Issue 25: h200-1's pipelined MoE rows on a GPU at its planned largest.
+rm -rf /tmp/xla-dump
+XLA_FLAGS="--xla_dump_to=/tmp/xla-dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=overlapped" \
+  run dump_on855k 300 "${plan[@]}" h200-1 data.seq_len=855174 "${pinned[@]}" --check
+(cd /tmp/xla-dump && tar -czf "$LOGS/xla_dump_on855k.tgz" \
   $(ls | grep -E "overlapped.*after_optimizations-buffer-assignment\.txt" | head -1) \
   $(ls | grep -E "overlapped.*after_optimizations-live-range\.txt" | head -1)) 2>/dev/null
 echo "=== all done $(date -Is)"

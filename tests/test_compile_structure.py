@@ -115,11 +115,13 @@ def test_the_planner_counts_the_ffn_as_the_trainer_orders_it(offload, context):
     """The trainer orders the dense FFN's backward (Runtime.weight_gradients_first) exactly
     where the plan leaves ffn.under_attention out: where SCO offloads a boundary, for every
     form of operators.offload (all, none, a count, a host budget in GiB, which offloads fewer
-    boundaries as the context grows)."""
+    boundaries as the context grows). The layer loop scanned: every boundary is then live in
+    the dense layer's backward and it is the plan's layer, its terms in the plan (unrolled,
+    with no boundary offloaded, the MoE layer's with every boundary is larger at 64K)."""
     from peakflat_jax.plan import make_plan
 
     config = load_config("h200-1", [*ON, f"operators.offload={offload}",
-                                    f"data.seq_len={context}"])
+                                    f"data.seq_len={context}", "operators.layer_loop=scan"])
     plan = make_plan(config, 1, platform="gpu", baseline=False, search_context=False,
                      device_memory=int(132.8 * 2**30))
     mesh = mop.make_mesh(config.mesh, jax.devices()[:1])

@@ -22,6 +22,7 @@ planned bytes and a margin instead of up to twice them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -203,7 +204,32 @@ def cap_from_plan(config) -> int | None:
     it, where the variable is unset (a value the user set stays; None is returned then, and
     where no cap is planned). Call it before the backend starts: XLA reads the variable
     once."""
+    global _OWN_CAP
     if LIMIT_VARIABLE in os.environ or (limit := planned_cap_gib(config)) is None:
         return None
     os.environ[LIMIT_VARIABLE] = str(limit)
+    _OWN_CAP = limit
     return limit
+
+
+_OWN_CAP: int | None = None
+"""The cap ``cap_from_plan`` set in this process's environment (GiB), or None."""
+
+
+@contextlib.contextmanager
+def own_cap_unset():
+    """Within, a cap this process set from its own plan (``cap_from_plan``) reads as unset,
+    and the context's value is that cap (else None): a plan made here then models each
+    candidate's own cap as ``peakflat plan`` does, before any cap is set, and chooses the
+    knobs it chose. (With the cap in the environment, a setting whose own cap would not fit
+    the host can fit under the one set: h200-e2e at 533,994 tokens trained with no optimizer
+    group resident and 6 MoE chunks, 131.8 GiB planned, where ``peakflat plan`` had said 1
+    group and 8 chunks, 129.3: 2026-12-04.)"""
+    own = _OWN_CAP if os.environ.get(LIMIT_VARIABLE) == str(_OWN_CAP) else None
+    if own is not None:
+        del os.environ[LIMIT_VARIABLE]
+    try:
+        yield own
+    finally:
+        if own is not None:
+            os.environ[LIMIT_VARIABLE] = str(own)

@@ -8,10 +8,12 @@ import dataclasses
 import jax
 
 from peakflat_jax.config import Config
+from peakflat_jax.plan import host_pool
 from peakflat_jax.plan.errors import GIB, DoesNotFit
 from peakflat_jax.plan.programs import Plan
 from peakflat_jax.plan.report import format_table
 from peakflat_jax.plan.search import largest_context, make_plan
+from peakflat_jax.plan.terms import pinned_allocations
 
 # ----------------------------------------------------------------------------------------------
 # For the trainer and the benchmarks.
@@ -83,8 +85,18 @@ def check_plan(config: Config, mesh_or_devices, device_memory: int | None = None
         host_memory = int(config.train.host_memory_gib * GIB)
     if host_memory is None:
         host_memory = read_host_memory()
-    plan = make_plan(config, num_devices, device_memory=device_memory, host_memory=host_memory,
-                     platform=platform, baseline=False, search_context=False)
+    with host_pool.own_cap_unset() as own_cap:
+        plan = make_plan(config, num_devices, device_memory=device_memory,
+                         host_memory=host_memory, platform=platform, baseline=False,
+                         search_context=False)
+    if own_cap is not None:
+        pinned = pinned_allocations(plan.knobs, plan.terms)
+        if not pinned or host_pool.planned_limit_gib(pinned) != own_cap:
+            # Another device memory than the config's chose knobs the cap was not planned
+            # for: plan them under the cap that is set.
+            plan = make_plan(config, num_devices, device_memory=device_memory,
+                             host_memory=host_memory, platform=platform, baseline=False,
+                             search_context=False)
     if plan.device_memory is None and platform == "cpu":
         # After choosing the knobs: those chosen with the memory unknown (the lightest) stay.
         plan = dataclasses.replace(plan, device_memory=cpu_device_memory(host_memory))
