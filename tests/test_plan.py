@@ -141,6 +141,37 @@ def test_the_peak_takes_the_largest_phase():
     assert plan.peak_phase == "layer"
 
 
+@pytest.mark.parametrize("loop", ["unrolled", "scan"])
+def test_the_loss_runs_beside_every_kept_boundary(loop):
+    """The loss runs after every layer's forward and before any backward, so every kept
+    boundary is live beside it, whichever layer is the plan's; unrolled, a dense peak layer's
+    backward has only the dense stack's (each MoE layer's backward has freed its own:
+    h200-e2e's dump, tests/test_plan_gpu_measured.py), and the MoE stack's are a term of their
+    own (kept_boundaries.moe_stack). A config whose loss binds (a 32K vocabulary, the
+    materialized loss) and whose dense layer is the larger: the boundary terms sum to L * C
+    and the gradient program holds them all beside the loss."""
+    config = small(f"operators.layer_loop={loop}", "operators.offload=none",
+                   "operators.loss=materialized", "operators.optimizer_offload=true",
+                   "model.vocab_size=32768", "model.dense_ffn=1024", "data.seq_len=1024")
+    plan = pl.make_plan(config, 8, platform="cpu", baseline=False, search_context=False)
+    terms = by_name(plan.terms)
+    model = config.model
+    boundary = knobs_of(config).tokens_per_device * model.hidden * jnp.dtype(model.dtype).itemsize
+    moe_stack = terms.get("kept_boundaries.moe_stack")
+    assert (moe_stack is not None) == (loop == "unrolled")
+    kept = terms["kept_boundaries"].bytes + (moe_stack.bytes if moe_stack else 0)
+    assert kept == model.num_layers * boundary
+    if moe_stack:
+        assert terms["kept_boundaries"].bytes == model.num_dense_layers * boundary
+
+    def live(name):
+        return sum(t.bytes for t in plan.terms if t.live == name)
+
+    assert plan.phases["loss"] > plan.phases["layer"]
+    assert plan.programs["gradient"] >= (live("persistent") + live("backward") + kept
+                                         + terms["integer_leaves"].bytes + plan.phases["loss"])
+
+
 def test_offload_moves_boundaries_to_the_host():
     """On a GPU offloading all L boundaries frees L - 2 of them on the device (two come back
     in backward) and puts L of them in host memory; on CPU the memory kinds lower to nothing,

@@ -5,7 +5,10 @@ Algorithm. A step's peak is not the sum of everything it ever allocates: it is t
 its live sets (SPEC.md, Composition). The planner lists every term of every live set as bytes
 per device, each with a one-line formula, and composes them as the step runs:
 
-    gradient program = persistent + boundaries + backward + max(layer, loss, embedding[, update])
+    gradient program = persistent + boundaries + backward
+                       + max(layer, boundaries.later + max(loss, embedding[, update]))
+                       (boundaries.later: unrolled with a dense peak layer, the MoE stack's
+                       boundaries, freed before the dense layers' backward; else 0)
     overlapped program = gradient program + staging + the MoE layers' per-layer weights
                          (scanned on a GPU: the MoE layers' new weights counted beside
                          max(the dense layer's forward, loss, embedding) only, with persistent +

@@ -117,12 +117,14 @@ def planned_limit_gib(allocations) -> int:
 
 
 def set_limit_gib() -> int | None:
-    """The pool's cap the environment sets (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``), or None."""
+    """The pool's cap the environment sets (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``), or None;
+    None too for a cap this process set from its own plan, inside ``own_cap_unset``."""
     value = os.environ.get(LIMIT_VARIABLE)
     try:
-        return int(value) if value else None
+        limit = int(value) if value else None
     except ValueError:
         return None
+    return None if _OWN_CAP_UNSET and limit is not None and limit == _OWN_CAP else limit
 
 
 def planned_devices(config) -> int | None:
@@ -214,22 +216,24 @@ def cap_from_plan(config) -> int | None:
 
 _OWN_CAP: int | None = None
 """The cap ``cap_from_plan`` set in this process's environment (GiB), or None."""
+_OWN_CAP_UNSET = False
+"""Whether ``set_limit_gib`` reads ``_OWN_CAP`` as unset (``own_cap_unset``: the environment
+itself is left alone, read by XLA's threads)."""
 
 
 @contextlib.contextmanager
 def own_cap_unset():
     """Within, a cap this process set from its own plan (``cap_from_plan``) reads as unset,
-    and the context's value is that cap (else None): a plan made here then models each
-    candidate's own cap as ``peakflat plan`` does, before any cap is set, and chooses the
-    knobs it chose. (With the cap in the environment, a setting whose own cap would not fit
-    the host can fit under the one set: h200-e2e at 533,994 tokens trained with no optimizer
-    group resident and 6 MoE chunks, 131.8 GiB planned, where ``peakflat plan`` had said 1
-    group and 8 chunks, 129.3: 2026-12-04.)"""
-    own = _OWN_CAP if os.environ.get(LIMIT_VARIABLE) == str(_OWN_CAP) else None
-    if own is not None:
-        del os.environ[LIMIT_VARIABLE]
+    and the context's value is that cap (else None; the environment is not touched): a plan
+    made here then models each candidate's own cap as ``peakflat plan`` does, before any cap
+    is set, and chooses the knobs it chose. (With the cap in the environment, a setting whose
+    own cap would not fit the host can fit under the one set: h200-e2e at 533,994 tokens
+    trained with no optimizer group resident and 6 MoE chunks, 131.8 GiB planned, where
+    ``peakflat plan`` had said 1 group and 8 chunks, 129.3: 2026-12-04.)"""
+    global _OWN_CAP_UNSET
+    own = _OWN_CAP if _OWN_CAP is not None and set_limit_gib() == _OWN_CAP else None
+    saved, _OWN_CAP_UNSET = _OWN_CAP_UNSET, True
     try:
         yield own
     finally:
-        if own is not None:
-            os.environ[LIMIT_VARIABLE] = str(own)
+        _OWN_CAP_UNSET = saved

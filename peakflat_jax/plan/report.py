@@ -60,17 +60,18 @@ def format_table(plan) -> str:
         names += [t.name for t in base.terms if t.name not in names]
     on = {t.name: t for t in plan.terms}
     off = {t.name: t for t in base.terms} if base is not None else {}
-    header = f"{'term':34} {'live':15} {'on ' + unit:>12} {'baseline ' + unit:>13}  formula"
+    header = f"{'term':34} {'live':16} {'on ' + unit:>12} {'baseline ' + unit:>13}  formula"
     lines += [header, "-" * len(header)]
     order = {live: i for i, live in enumerate(LIVE_SETS)}
     names.sort(key=lambda name: order[(on.get(name) or off.get(name)).live])
     for name in names:
         term = on.get(name) or off.get(name)
-        lines.append(f"{name:34} {term.live:15} {_gib(on[name].bytes) if name in on else '-':>12}"
+        lines.append(f"{name:34} {term.live:16} {_gib(on[name].bytes) if name in on else '-':>12}"
                      f" {_gib(off[name].bytes) if name in off else '-':>13}  {term.formula}")
     lines.append("")
     lines.append("peak = persistent + boundaries + backward + the largest phase (phases never "
-                 "overlap); the offloaded optimizer's step is its own program")
+                 "overlap; boundaries.later beside every phase but the layer's); the offloaded "
+                 "optimizer's step is its own program")
     for label, p in ((_label(plan), plan), ("baseline", base)):
         if p is None:
             continue

@@ -29,6 +29,10 @@ MEMORY_FORMULAS: dict[str, str] = {
     "grads": "P * b: their gradients, placed alike",
     "optimizer_update_host_cpu": "0: the update runs on the host CPU (optimizer.update_on: "
                                  "host_cpu), its state and transit are host terms",
+    "kept_boundaries.dense_stack": "(L_d - n_offloaded_d) * C: the dense stack's kept "
+                                   "boundaries, all that is live in the dense peak layer's "
+                                   "backward where the layer loop is unrolled (the MoE "
+                                   "stack's: kept_boundaries.moe_stack)",
     "kept_boundaries.moe_stack": "(L_m - n_offloaded_m) * C: the MoE stack's kept boundaries "
                                  "where the layer loop is unrolled and the peak layer is "
                                  "dense: beside the loss and the MoE layers' backward, each "
@@ -415,9 +419,13 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
                                               kept if loop == "unrolled" else None, pressed)
     at_layer = kept.get("dense", 0) if kind == "dense" and loop == "unrolled" else sum(
         kept.values())
-    add("kept_boundaries", at_layer, "boundaries", sco_module.MEMORY_FORMULAS["kept_boundaries"])
     if sum(kept.values()) > at_layer:
+        add("kept_boundaries", at_layer, "boundaries",
+            MEMORY_FORMULAS["kept_boundaries.dense_stack"])
         add("kept_boundaries.moe_stack", sum(kept.values()) - at_layer, "boundaries.later")
+    else:
+        add("kept_boundaries", at_layer, "boundaries",
+            sco_module.MEMORY_FORMULAS["kept_boundaries"])
     add("integer_leaves", integer, "boundaries", sco_module.MEMORY_FORMULAS["integer_leaves"])
     for name, value, live, formula in layer:
         add(name, value, live, formula)
