@@ -48,8 +48,10 @@ MEMORY_FORMULAS: dict[str, str] = {
     "attention.saved": "xla: 4 * N * Hq * T, the fp32 probabilities [B_l, Hq / seq, T, T] "
                        "kept for the backward; cudnn: 4 * R * N * Hq, the softmax statistics "
                        "of each of the R = S + 1 packed runs (R = 1 unpacked)",
-    "attention.backward": "xla: (4 + b) * N * Hq * T, the probabilities' gradient and the "
-                          "logits' (fp32); cudnn: R * N * Hq * (8 D + 4) + 17,152, the "
+    "attention.backward": "xla: (8 + b) * N * Hq * T, the probabilities' gradient and the "
+                          "logits' (fp32) and a transposed copy of one (XLA:CPU's buffer "
+                          "assignment of the tests' tiny config at T = 256: three fp32 [Hq, "
+                          "N, T] at its peak, beside the saved probabilities); cudnn: R * N * Hq * (8 D + 4) + 17,152, the "
                           "backward's workspace: cuDNN sizes its fp32 dQ accumulator, full-head "
                           "dK and dV and softmax sums for R runs of the whole length T each "
                           "(XLA:GPU's plan, measured, docs/plan.md)",
@@ -619,7 +621,7 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
         stream, activations,
         ("attention.saved", 4 * scores if xla else 4 * runs * n * hq, "layer",
          MEMORY_FORMULAS["attention.saved"]),
-        ("attention.backward", (4 + itemsize) * scores if xla
+        ("attention.backward", (8 + itemsize) * scores if xla
          else cudnn_backward_workspace(runs, n, hq, d), "layer/attention",
          MEMORY_FORMULAS["attention.backward"]),
     ]
