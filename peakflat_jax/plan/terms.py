@@ -51,7 +51,8 @@ MEMORY_FORMULAS: dict[str, str] = {
     "attention.backward": "xla: (8 + b) * N * Hq * T, the probabilities' gradient and the "
                           "logits' (fp32) and a transposed copy of one (XLA:CPU's buffer "
                           "assignment of the tests' tiny config at T = 256: three fp32 [Hq, "
-                          "N, T] at its peak, beside the saved probabilities); cudnn: R * N * Hq * (8 D + 4) + 17,152, the "
+                          "N, T] at its peak, beside the saved probabilities); cudnn: R * N "
+                          "* Hq * (8 D + 4) + 17,152, the "
                           "backward's workspace: cuDNN sizes its fp32 dQ accumulator, full-head "
                           "dK and dV and softmax sums for R runs of the whole length T each "
                           "(XLA:GPU's plan, measured, docs/plan.md)",
