@@ -1055,9 +1055,9 @@ def test_the_plan_bounds_the_drivers_compiles(record, run, config, overrides, pr
     assert xla <= plan.programs[program] <= 1.2 * xla
 
 
-def _unused_at_peak(archive: pathlib.Path, module: str, tmp_path) -> int:
-    """What XLA:GPU allocated on the device for ``module`` less the most it had in use at
-    once (each byte once, scripts/xla_live_set.py), from a dump's buffer assignment."""
+def _read_dump(archive: pathlib.Path, module: str, tmp_path):
+    """scripts/xla_live_set.py, and what it reads of ``module`` in a dump's archive: its
+    values, allocations, schedule and live ranges."""
     script = load_script("xla_live_set")
     with tarfile.open(archive) as opened:
         opened.extractall(tmp_path, filter="data")
@@ -1065,6 +1065,13 @@ def _unused_at_peak(archive: pathlib.Path, module: str, tmp_path) -> int:
     (live_ranges,) = tmp_path.rglob(f"*{module}*live-range.txt")
     values, allocations, _ = script.read_buffers(buffers)
     schedule, ranges = script.read_live_ranges(live_ranges)
+    return script, values, allocations, schedule, ranges
+
+
+def _unused_at_peak(archive: pathlib.Path, module: str, tmp_path) -> int:
+    """What XLA:GPU allocated on the device for ``module`` less the most it had in use at
+    once (each byte once, scripts/xla_live_set.py), from a dump's buffer assignment."""
+    script, values, allocations, schedule, ranges = _read_dump(archive, module, tmp_path)
     peak = max(script.usage(values, ranges, len(schedule)))
     return sum(size for size, description in allocations.values()
                if script._color(description) == 0) - peak
@@ -1094,14 +1101,9 @@ def test_unrolled_the_dense_layer_s_backward_holds_its_own_boundary_only(tmp_pat
     program's peak, in the dense FFN's backward, one is left. (So counted, the plan there is
     the MoE layer's, 138.47 GiB, 1.18x XLA's 117.04: test_the_plan_bounds_the_drivers_compiles;
     1.23x with every boundary beside the dense layer's backward.)"""
-    script = load_script("xla_live_set")
-    archive = RESULTS / "xla_gpu_live_ranges_h200-e2e_on540k_unrolled_20261204.tgz"
-    with tarfile.open(archive) as opened:
-        opened.extractall(tmp_path, filter="data")
-    (buffers,) = tmp_path.rglob("*overlapped*buffer-assignment.txt")
-    (live_ranges,) = tmp_path.rglob("*overlapped*live-range.txt")
-    values, _, _ = script.read_buffers(buffers)
-    schedule, ranges = script.read_live_ranges(live_ranges)
+    script, values, _, schedule, ranges = _read_dump(
+        RESULTS / "xla_gpu_live_ranges_h200-e2e_on540k_unrolled_20261204.tgz", "overlapped",
+        tmp_path)
     used = script.usage(values, ranges, len(schedule))
     peak = max(range(len(used)), key=used.__getitem__)
     backward = next(i for i, name in enumerate(schedule) if "attention_bwd" in name)

@@ -4,6 +4,7 @@ check before compiling (``check_plan``), and the device total a measured peak is
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 
@@ -85,18 +86,17 @@ def check_plan(config: Config, mesh_or_devices, device_memory: int | None = None
         host_memory = int(config.train.host_memory_gib * GIB)
     if host_memory is None:
         host_memory = read_host_memory()
+    plan_here = functools.partial(make_plan, config, num_devices, device_memory=device_memory,
+                                  host_memory=host_memory, platform=platform, baseline=False,
+                                  search_context=False)
     with host_pool.own_cap_unset() as own_cap:
-        plan = make_plan(config, num_devices, device_memory=device_memory,
-                         host_memory=host_memory, platform=platform, baseline=False,
-                         search_context=False)
+        plan = plan_here()
     if own_cap is not None:
         pinned = pinned_allocations(plan.knobs, plan.terms)
         if not pinned or host_pool.planned_limit_gib(pinned) != own_cap:
             # Another device memory than the config's chose knobs the cap was not planned
             # for: plan them under the cap that is set.
-            plan = make_plan(config, num_devices, device_memory=device_memory,
-                             host_memory=host_memory, platform=platform, baseline=False,
-                             search_context=False)
+            plan = plan_here()
     if plan.device_memory is None and platform == "cpu":
         # After choosing the knobs: those chosen with the memory unknown (the lightest) stay.
         plan = dataclasses.replace(plan, device_memory=cpu_device_memory(host_memory))

@@ -418,10 +418,9 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
     # One layer's recompute and backward: the dense or the MoE layer, whichever holds more
     # with the boundaries still live in its backward (unrolled, a dense layer's backward comes
     # after every MoE layer's has freed its boundary: only the dense stack's are left).
-    layer, kind, first_forward = _layer_terms(config, knobs, platform, weights, layer_sets,
-                                              kept if loop == "unrolled" else None, pressed)
-    at_layer = kept.get("dense", 0) if kind == "dense" and loop == "unrolled" else sum(
-        kept.values())
+    layer, at_layer, first_forward = _layer_terms(config, knobs, platform, weights,
+                                                  layer_sets, kept, loop == "unrolled",
+                                                  pressed)
     if sum(kept.values()) > at_layer:
         add("kept_boundaries", at_layer, "boundaries",
             MEMORY_FORMULAS["kept_boundaries.dense_stack"])
@@ -583,14 +582,15 @@ def _pool_growth(config: Config, pinned: list[int]) -> int:
 
 
 def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightBytes,
-                 layer_sets: dict, kept_by_stack: dict | None = None, pressed: bool = False
-                 ) -> tuple[list[tuple[str, int, str, str]], str, int]:
-    """(name, bytes, live, formula) of the largest layer's recompute and backward, its kind
-    (``dense`` or ``moe``), and the dense layer's forward on a GPU (``_first_layer_forward``;
-    else 0). ``kept_by_stack`` (unrolled): each stack's kept boundaries, of which a layer's
-    backward has its own stack's and those before it (the dense layers come first and are
+                 layer_sets: dict, kept_by_stack: dict, unrolled: bool,
+                 pressed: bool = False) -> tuple[list[tuple[str, int, str, str]], int, int]:
+    """(name, bytes, live, formula) of the largest layer's recompute and backward, the kept
+    boundaries live in its backward, and the dense layer's forward on a GPU
+    (``_first_layer_forward``; else 0). ``kept_by_stack``: each stack's kept boundaries.
+    Scanned, every one is live in every layer's backward; ``unrolled``, a layer's backward
+    has its own stack's and those before it (the dense layers come first and are
     differentiated last), so the largest layer is the one whose phase and those boundaries
-    are the most; None: every boundary is live in every layer's backward. Within the
+    are the most. Within the
     layer, the attention's backward and the FFN's (or MoE's) are sub-phases of their own beside
     what the whole layer holds (its saved activations and weights); what one sub-phase keeps
     through the other is a term of that other (on a GPU, ``ffn.under_attention``: the dense
@@ -689,14 +689,15 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
                       for key, value in moe.items()]
         if kind == "dense" and platform == "gpu":
             first_forward = _first_layer_forward(terms, n * model.dense_ffn * itemsize)
-        live_boundaries = (sum(kept_by_stack.values()) if kind == "moe" else
-                           kept_by_stack.get("dense", 0)) if kept_by_stack else 0
-        candidates.append((phase_total(terms, "layer") + live_boundaries, kind, terms))
+        live_boundaries = (kept_by_stack.get("dense", 0) if unrolled and kind == "dense"
+                           else sum(kept_by_stack.values()))
+        candidates.append((phase_total(terms, "layer") + live_boundaries, live_boundaries,
+                           kind, terms))
     if not candidates:
-        return [], "", 0
-    _, kind, terms = max(candidates, key=lambda c: c[0])
+        return [], sum(kept_by_stack.values()), 0
+    _, live_boundaries, kind, terms = max(candidates, key=lambda c: c[0])
     return ([(name, value, live, f"[{kind} layer] {formula}")
-             for name, value, live, formula in terms], kind, first_forward)
+             for name, value, live, formula in terms], live_boundaries, first_forward)
 
 
 def _first_layer_forward(terms: list[tuple[str, int, str, str]], dense_ffn: int) -> int:
