@@ -79,6 +79,7 @@ import functools
 import math
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -188,14 +189,23 @@ class MadeInLoop:
     arrays that take no gradient; ``chain`` is threaded from layer to layer (the optimizer's
     slot chain). ``ready`` is layer l's own input (its inexact leaves, without gradient): work
     that ``make`` ties to it waits for layer l - 1's compute (the trainer ties the update's
-    arithmetic to it where no slot chain orders the copies). After the call, ``results`` holds
-    ``(outputs, chain)``: the per-layer ``output_l`` and the last chain, tracers of the same
-    trace, to be returned by the caller.
+    arithmetic to it where no slot chain orders the copies). ``layer_fn`` takes
+    ``wrap(l, params_l)`` (the identity unless ``map_params`` set it).
+
+    Each layer's params (made plus offset) are written, as they are made, into one array per
+    leaf with a leading layer axis: ``into`` (stacked like the params; donated buffers, say,
+    whose values are not read again), else fresh zeros. The backward slices its layer's params
+    from those arrays, which are the residual, and after the call ``results`` holds
+    ``(outputs, chain, stacked)``: the per-layer ``output_l``, the last chain and the stacked
+    params, tracers of the same trace, to be returned by the caller.
 
     Why: the layers' parameters made before the loop depend on nothing the forward computes,
     and XLA:GPU then scheduled all of their work (every optimizer bucket's copy in, update and
     copy out) before the first layer: none of the host traffic ran under compute (docs/
-    offload_adamw.md). The barrier is a data dependency no scheduler can reorder."""
+    offload_adamw.md). The barrier is a data dependency no scheduler can reorder. Written into
+    the stacked arrays as made, the params exist once: kept per layer for the backward and
+    stacked by the caller, XLA:GPU held both copies through the dense layers' backward in one
+    schedule and not in another (h200-e2e at 540,672 and 533,994 tokens, docs/plan.md)."""
 
     make: Callable
     sources: tuple
@@ -203,16 +213,19 @@ class MadeInLoop:
     offsets: PerLayer
     lead: int = 1
     results: list = dataclasses.field(default_factory=list)
+    into: Any = None
+    wrap: Callable | None = None
 
     def map_params(self, fn: Callable) -> MadeInLoop:
-        """The same, each layer's params and offsets given as ``fn(layer, params_l)`` (a
+        """The same, ``layer_fn`` given each layer's params as ``fn(layer, params_l)`` (a
         caller's wrapping of the layer pytree), sharing ``results``."""
-        def make(layer, sources, chain, ready):
-            params, output, chain = self.make(layer, sources, chain, ready)
-            return fn(layer, params), output, chain
+        inner = self.wrap
+        wrap = fn if inner is None else (lambda layer, params: fn(layer, inner(layer, params)))
+        return dataclasses.replace(self, wrap=wrap)
 
-        offsets = PerLayer(tuple(fn(i, p) for i, p in enumerate(self.offsets.layers)))
-        return MadeInLoop(make, self.sources, self.chain, offsets, self.lead, self.results)
+    def wrapped(self, layer: int, params):
+        """What ``layer_fn`` takes for layer ``layer``'s params."""
+        return params if self.wrap is None else self.wrap(layer, params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,27 +234,38 @@ class _Maker:
 
     make: Callable
     lead: int
+    wrap: Callable | None
 
-    def layers(self, made_inputs):
-        """A function of (layer, the inputs of the layers so far, offsets_l) giving layer l's
-        params, and one giving (outputs, chain) once every layer is made."""
-        sources, chain = made_inputs
-        state = {"chain": chain, "outputs": []}
+    def wrapped(self, layer: int, params):
+        return params if self.wrap is None else self.wrap(layer, params)
+
+    def layers(self, made_inputs, offsets: PerLayer):
+        """A function of (layer, the inputs of the layers so far) giving layer l's params
+        (made plus its offset), written into the stacked arrays, and one giving
+        (outputs, chain, stacked) once every layer is made."""
+        sources, chain, into = made_inputs
+        if into is None:
+            into = jax.tree.map(lambda *layers: jnp.zeros((len(layers),) + layers[0].shape,
+                                                          layers[0].dtype), *offsets.layers)
+        state = {"chain": chain, "outputs": [], "stacked": into}
 
         def boundary(carry):
             return lax.stop_gradient(_CarryLeaves(carry).inexact_part(carry))
 
-        def params(layer, inputs, offset):
+        def params(layer, inputs):
             source = sources[layer]
             if layer - self.lead >= 0:
                 source, _ = lax.optimization_barrier((source, boundary(inputs[layer - self.lead])))
             made, output, state["chain"] = self.make(layer, source, state["chain"],
                                                      boundary(inputs[layer]))
             state["outputs"].append(output)
-            return jax.tree.map(lambda m, o: m + o.astype(m.dtype) if _is_inexact(m) else m,
-                                made, offset)
+            made = jax.tree.map(lambda m, o: m + o.astype(m.dtype) if _is_inexact(m) else m,
+                                made, offsets.layers[layer])
+            state["stacked"] = jax.tree.map(lambda s, m: s.at[layer].set(m), state["stacked"],
+                                            made)
+            return made
 
-        return params, lambda: (tuple(state["outputs"]), state["chain"])
+        return params, lambda: (tuple(state["outputs"]), state["chain"], state["stacked"])
 
 
 def host_memory_bytes() -> int:
@@ -354,15 +378,18 @@ def sco_scan(layer_fn: Callable, carry, stacked_params, *, offload, loop: str = 
     if num_layers == 0:
         return carry
     expected = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), carry)
-    out = jax.eval_shape(layer_fn, carry, _layer_params(stacked_params, 0))
+    first = (_layer_params(stacked_params, 0) if made is None
+             else made.wrapped(0, stacked_params.layers[0]))
+    out = jax.eval_shape(layer_fn, carry, first)
     if (jax.tree.structure(out) != jax.tree.structure(expected)
             or any((a.shape, a.dtype) != (b.shape, b.dtype)
                    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(expected)))):
         raise ValueError(f"layer_fn: expected it to return a carry like its input (same "
                          f"structure, shapes and dtypes: {expected}), got {out}")
     if made is not None:
-        carry, results = _sco_unrolled(layer_fn, chosen, _Maker(made.make, made.lead), carry,
-                                       stacked_params, (made.sources, made.chain))
+        carry, results = _sco_unrolled(layer_fn, chosen, _Maker(made.make, made.lead, made.wrap),
+                                       carry, stacked_params,
+                                       (made.sources, made.chain, made.into))
         made.results[:] = results
         return carry
     if loop == "unrolled":
@@ -407,32 +434,32 @@ def _sco_unrolled(layer_fn, chosen, maker, carry, stacked_params, made_inputs):
     # ``maker``: None, or a MadeInLoop's _Maker (then ``stacked_params`` are its offsets and
     # the result is (carry, (outputs, chain))).
     if maker is not None:
-        params_of, results = maker.layers(made_inputs)
+        params_of, results = maker.layers(made_inputs, stacked_params)
     inputs = []
     for layer in range(len(chosen)):
         inputs.append(carry)
         params = (_layer_params(stacked_params, layer) if maker is None else
-                  params_of(layer, inputs, stacked_params.layers[layer]))
+                  maker.wrapped(layer, params_of(layer, inputs)))
         carry = layer_fn(carry, params)
     return carry if maker is None else (carry, results())
 
 
 def _sco_unrolled_fwd(layer_fn, chosen, maker, carry, stacked_params, made_inputs):
     if maker is not None:
-        params_of, results = maker.layers(made_inputs)
-        offsets, made = stacked_params, []
+        params_of, results = maker.layers(made_inputs, stacked_params)
     boundaries, inputs = [], []
     for layer, to_host in enumerate(chosen):
         inputs.append(carry)
         if maker is not None:  # layer l's params, made once layer l - lead's input exists
-            made.append(params_of(layer, inputs, offsets.layers[layer]))
-            stacked_params = PerLayer(tuple(made) + offsets.layers[layer + 1:])
-        # Layer l slices its parameters once its input exists. Otherwise the slices, which
-        # depend on nothing but the parameters, are free to run early, and XLA kept every
-        # layer's slice alive from forward to backward (XLA:CPU: one layer's parameters of
-        # temporaries per layer).
-        carry, params = lax.optimization_barrier((carry, _own_params(stacked_params, layer)))
-        carry_next = layer_fn(carry, _layer_params(params, layer))
+            carry, params = lax.optimization_barrier((carry, params_of(layer, inputs)))
+            carry_next = layer_fn(carry, maker.wrapped(layer, params))
+        else:
+            # Layer l slices its parameters once its input exists. Otherwise the slices, which
+            # depend on nothing but the parameters, are free to run early, and XLA kept every
+            # layer's slice alive from forward to backward (XLA:CPU: one layer's parameters
+            # of temporaries per layer).
+            carry, params = lax.optimization_barrier((carry, _own_params(stacked_params, layer)))
+            carry_next = layer_fn(carry, _layer_params(params, layer))
         if to_host:
             # The copy runs while this layer computes and must be done before the next layer
             # starts. Untied, XLA's scheduler sank every device-to-host copy into the backward
@@ -443,8 +470,9 @@ def _sco_unrolled_fwd(layer_fn, chosen, maker, carry, stacked_params, made_input
             boundary = carry
         boundaries.append(boundary)
         carry = carry_next
-    if maker is not None:
-        return (carry, results()), (tuple(boundaries), stacked_params)
+    if maker is not None:  # the backward slices each layer's params from the stacked arrays
+        outputs, chain, stacked = results()
+        return (carry, (outputs, chain, stacked)), (tuple(boundaries), stacked)
     return carry, (tuple(boundaries), stacked_params)
 
 
@@ -471,8 +499,12 @@ def _sco_unrolled_bwd(layer_fn, chosen, maker, residuals, d_out):
     # one layer's parameters of temporaries per layer (XLA:CPU, each fix alone not enough).
     # Integer leaves (token ids, say) have float0 cotangents: nothing to write. PerLayer
     # params get per-layer gradients, each written once.
-    per_layer = isinstance(stacked_params, PerLayer)
-    layer_tree = _layer_params(stacked_params, 0)
+    # With a maker the params are sliced from its stacked arrays and the gradients are the
+    # offsets', per layer.
+    per_layer = isinstance(stacked_params, PerLayer) or maker is not None
+    layer_tree = (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                               stacked_params) if maker is not None
+                  else _layer_params(stacked_params, 0))
     leaves, treedef = jax.tree.flatten(layer_tree if per_layer else stacked_params)
     inexact = [i for i, leaf in enumerate(leaves) if _is_inexact(leaf)]
     d_stacked = [] if per_layer else [jnp.zeros_like(leaves[i]) for i in inexact]
@@ -494,7 +526,12 @@ def _sco_unrolled_bwd(layer_fn, chosen, maker, residuals, d_out):
             d_stacked = done
         if layer > 0:
             incoming = restore(layer - 1, d_inexact)  # overlaps this layer's recompute and bwd
-        _, vjp = jax.vjp(layer_fn, carry_in, _layer_params(params, layer))
+        own = _layer_params(params, layer)
+        if maker is None:
+            _, vjp = jax.vjp(layer_fn, carry_in, own)
+        else:
+            _, vjp = jax.vjp(lambda c, p, at=layer: layer_fn(c, maker.wrapped(at, p)),
+                             carry_in, own)
         d_carry, d_layer = vjp(full_cotangent(d_inexact))
         d_inexact = inexact_part(d_carry)
         d_layer = treedef.flatten_up_to(d_layer)

@@ -476,7 +476,7 @@ class Trainer:
             by_leaf = dict(zip(layout.groups[group_state.index].leaves, updated))
             weights = [by_leaf[i] for i in moe]
             return ((jax.tree.unflatten(moe_def, weights), extras_layers[layer]),
-                    (weights, group_state), () if deferred else tuple(chain[-slots:]))
+                    group_state, () if deferred else tuple(chain[-slots:]))
 
         zeros = [jnp.zeros(abstract[i].shape[1:], abstract[i].dtype) for i in moe]
 
@@ -489,24 +489,27 @@ class Trainer:
                             for g in layer_groups),
                 () if deferred else tuple(slot_chain[-slots:]),
                 PerLayer(tuple((p, jax.tree.map(jnp.zeros_like, e))
-                               for p, e in zip(offsets, extras_layers))))
+                               for p, e in zip(offsets, extras_layers))),
+                # Each layer's new weights written into the donated stacks, whose old values
+                # nothing reads (the update reads the fp32 master): they are the step's output.
+                into=(jax.tree.unflatten(moe_def, [leaves[i] for i in moe]),
+                      extras["moe_layers"]))
             value, counts = model(batch, self.runtime, self.offload, moe_layers=made)
-            return value, (counts, made.results[0])
+            group_states, _, (stacked, _) = made.results
+            return value, (counts, group_states, jax.tree.leaves(stacked))
 
         offsets = [jax.tree.unflatten(moe_def, zeros) for _ in range(num_moe_layers)]
-        (value, (counts, made)), (d_outer, d_layers) = jax.value_and_grad(
+        (value, (counts, group_states, stacked)), (d_outer, d_layers) = jax.value_and_grad(
             loss, argnums=(0, 1), has_aux=True)(outer, offsets)
-        for layer, (weights, group_state) in enumerate(made):
+        for layer, group_state in enumerate(group_states):
             groups[layer_groups[layer]] = group_state
-            for i, leaf in zip(moe, weights):
-                layer_leaves[layer][i] = leaf
         d_outer, d_layers = iter(d_outer), [jax.tree.leaves(d) for d in d_layers]
         grads, new_params = [], []
         for i in range(len(leaves)):
             if i in abstract:
                 k = moe.index(i)
                 grads.append(jnp.stack([d[k] for d in d_layers]))
-                new_params.append(jnp.stack([layer[i] for layer in layer_leaves]))
+                new_params.append(stacked[k])
             else:
                 grads.append(next(d_outer))
                 new_params.append(new_leaves[i])
