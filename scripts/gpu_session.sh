@@ -28,15 +28,16 @@
 # left null, the planner would keep every group on a device it believes is 1 PB.
 #
 # What each stage answers:
-#   auto_e2e534k issue 25: h200-e2e at the plan's largest context under operators auto,
-#                533,994, with the knobs the trainer and `peakflat plan` now agree on (1 of 12
-#                groups resident, 8 chunks: 129.33 GiB planned; 2026-12-04 15:30 ran 0 groups
-#                and 6 chunks under its own cap: 89.22 GiB against 131.82, 1.48x). The
-#                overlapped step's buffer assignment and live ranges are kept (~11 min)
-#   dump_on855k  issue 25: h200-1 at its planned largest (855,174, the knobs auto chose there),
-#                compiled only and dumped: how many [M_c, H] and [M_c, F] rows the pipelined
-#                MoE holds on a GPU at B = 16,384 (h200-e2e's two dumps: four and six, against
-#                the CPU-measured terms' nine and six)
+#   check540u issue 25: the overlapped step writing the MoE layers' new weights into the donated
+#             stacks (sco.MadeInLoop's into), compiled where the old program held both copies
+#             through the dense layers' backward: h200-e2e at 540,672 unrolled, no boundary
+#             offloaded (XLA's plan 117.04 GiB before; the plan now 107.33). Dumped (~4 min)
+#   auto741k  issues 25, 27: h200-e2e at the plan's largest context under operators auto with
+#             the new weights in place and four [M_c, H] rows (741,848: no boundary offloaded,
+#             10 chunks, 0 groups resident; planned 132.80 GiB), 3 steps, its overlapped step
+#             dumped (~17 min)
+#   check855  issue 25: h200-1 at its planned largest (855,174, the knobs auto chose there),
+#             compiled only and dumped: the new program's peak and its MoE rows at B = 16,384
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -63,19 +64,25 @@ pinned=(operators.moe_dispatch=pipelined operators.token_budget=16384 operators.
         operators.offload=all operators.optimizer_offload=true optimizer.resident_groups=0)
 three=(train.steps=3 "${nc[@]}")
 lifted=(train.device_memory_gib=1000000)  # the host's budget stays the machine's
-# 1. Issue 25: h200-e2e at auto's largest, trained, its overlapped step dumped.
+dump() {  # dump NAME: the overlapped step's buffer assignment and live ranges, then clear
+  (cd /tmp/xla-dump && tar -czf "$LOGS/xla_dump_$1.tgz" \
+    $(ls | grep -E "overlapped.*after_optimizations-buffer-assignment\.txt" | head -1) \
+    $(ls | grep -E "overlapped.*after_optimizations-live-range\.txt" | head -1)) 2>/dev/null
+  rm -rf /tmp/xla-dump; }
+dumping="--xla_dump_to=/tmp/xla-dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=overlapped"
+e2e540u=(data.seq_len=540672 operators.moe_dispatch=pipelined operators.token_budget=56292
+         operators.loss=ring operators.offload=none operators.optimizer_offload=true
+         optimizer.resident_groups=0 operators.layer_loop=unrolled)
 rm -rf /tmp/xla-dump
-XLA_FLAGS="--xla_dump_to=/tmp/xla-dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=overlapped" \
-  run auto_e2e534k 720 "${train[@]}" h200-e2e data.seq_len=533994 "${three[@]}" --run-dir /tmp/r1
-keep /tmp/r1 auto_e2e534k
-(cd /tmp/xla-dump && tar -czf "$LOGS/xla_dump_auto_e2e534k.tgz" \
-  $(ls | grep -E "overlapped.*after_optimizations-buffer-assignment\.txt" | head -1) \
-  $(ls | grep -E "overlapped.*after_optimizations-live-range\.txt" | head -1)) 2>/dev/null
-# 2. Issue 25: h200-1's pipelined MoE rows on a GPU at its planned largest.
-rm -rf /tmp/xla-dump
-XLA_FLAGS="--xla_dump_to=/tmp/xla-dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=overlapped" \
-  run dump_on855k 300 "${plan[@]}" h200-1 data.seq_len=855174 "${pinned[@]}" --check
-(cd /tmp/xla-dump && tar -czf "$LOGS/xla_dump_on855k.tgz" \
-  $(ls | grep -E "overlapped.*after_optimizations-buffer-assignment\.txt" | head -1) \
-  $(ls | grep -E "overlapped.*after_optimizations-live-range\.txt" | head -1)) 2>/dev/null
+# 1. Issue 25: the new weights in place, where the old program held them twice.
+XLA_FLAGS="$dumping" run check540u 420 "${plan[@]}" h200-e2e "${e2e540u[@]}" "${unbounded[@]}" --check
+dump check540u
+# 2. Issues 25 and 27: h200-e2e at auto's largest, trained, its overlapped step dumped.
+XLA_FLAGS="$dumping" run auto741k 1150 "${train[@]}" h200-e2e data.seq_len=741848 "${three[@]}" \
+  --run-dir /tmp/r2
+keep /tmp/r2 auto741k
+dump auto741k
+# 3. Issue 25: h200-1 at its planned largest, compiled, the new program's rows and peak.
+XLA_FLAGS="$dumping" run check855 300 "${plan[@]}" h200-1 data.seq_len=855174 "${pinned[@]}" --check
+dump check855
 echo "=== all done $(date -Is)"

@@ -682,6 +682,14 @@ MEMORY_FORMULAS: dict[str, str] = {
 }
 
 
+def chunk_rows(*, num_tokens: int, top_k: int, num_devices: int, token_budget: int | None,
+               max_chunks: int) -> int:
+    """M, the rows one chunk's exchange delivers to a device (the padded buffers' height):
+    D * k * ceil(N / K)."""
+    num_chunks = _num_chunks(num_tokens, token_budget, max_chunks)
+    return num_devices * top_k * math.ceil(num_tokens / num_chunks)
+
+
 def pipelined_moe_memory_terms(*, num_tokens: int, hidden: int, ffn: int, top_k: int,
                                num_experts: int, num_devices: int,
                                token_budget: int | None = None, max_chunks: int = 10,
@@ -705,7 +713,8 @@ def pipelined_moe_memory_terms(*, num_tokens: int, hidden: int, ffn: int, top_k:
                          f"{grouped_matmul!r}")
     b = jnp.dtype(dtype).itemsize
     chunk_tokens = math.ceil(num_tokens / num_chunks)
-    rows = num_devices * top_k * chunk_tokens  # M
+    rows = chunk_rows(num_tokens=num_tokens, top_k=top_k, num_devices=num_devices,
+                      token_budget=token_budget, max_chunks=max_chunks)
     foreign = llep.max_foreign_experts
     groups = num_experts // num_devices + foreign  # G
     # a: the bytes of the backward's fp32 row values. On the Mosaic path (a GPU) they stay

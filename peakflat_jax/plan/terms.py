@@ -84,6 +84,12 @@ MEMORY_FORMULAS: dict[str, str] = {
                         "of h200-1's EP step at 64K and 256K: at most four [M, H])",
     "moe.expert_ffn_gpu": "4 * M * F * b on one GPU in one chunk (EP): the rows of width F held "
                           "at once (the same buffer assignments: at most four [M, F])",
+    "moe.dispatch_gpu_pipelined": "4 * M * H * b on one GPU, pipelined (M: one chunk's rows): "
+                                  "the rows of width H that XLA:GPU holds at once in the "
+                                  "layer's backward, where the operator's CPU-measured form "
+                                  "counts nine (its buffer assignments of h200-e2e's step at "
+                                  "533,994 tokens, unrolled, and 684,042, scanned: at most four "
+                                  "[M, H])",
     "moe.dispatch_gpu_pressed": "2 * M * H * b on one GPU in one chunk (EP), the standard stack's "
                                 "step pressed (plan.programs.step_terms): past the device's "
                                 "memory XLA:GPU holds at most two [M, H] at once, the dispatched "
@@ -126,6 +132,11 @@ MEMORY_FORMULAS: dict[str, str] = {
                                      "bytes; XLA:GPU's buffer assignments of h200-1's "
                                      "overlapped step at 64K, EP and pipelined: 9.5 GiB live "
                                      "against 10.1)",
+    "overlap.new_weights_gpu": "P * b - (L_m - 1) * b_m on a GPU, unrolled: the new weights of "
+                               "the leaves outside the MoE stack, held beside the old to the "
+                               "step's end, and one MoE layer's made in the forward before it "
+                               "is written into the donated stack in place (sco.MadeInLoop's "
+                               "into: the other MoE layers' are the parameters' own bytes)",
     "forward.dense_layer": "the dense layer's forward on a GPU: what the layer holds but the "
                            "carried cotangent, and the FFN's gate, up and product, 3 * N * F_d "
                            "* b (_first_layer_forward; h200-e2e's buffer assignment at 540,672: "
@@ -503,10 +514,16 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
             add("overlap.staging", staged, "overlap",
                 "the optimizer step's staging terms (above), now inside the step's program; 0 "
                 "on CPU, where XLA updates in place")
-        if knobs.optimizer_overlap and platform == "gpu":
+        if knobs.optimizer_overlap and platform == "gpu" and scanned_overlap:
             add("overlap.moe_layer_weights",
                 weights.params + max(num_moe - 1, 0) * weights.layer_shard["moe"], new_weights_live,
                 MEMORY_FORMULAS["overlap.moe_layer_weights_gpu"])
+        elif knobs.optimizer_overlap and platform == "gpu":
+            # Unrolled, each MoE layer's new weights are written into the donated stacks as
+            # they are made (sco.MadeInLoop's ``into``): the parameters' own bytes.
+            add("overlap.new_weights",
+                weights.params - max(num_moe - 1, 0) * weights.layer_shard["moe"], "overlap",
+                MEMORY_FORMULAS["overlap.new_weights_gpu"])
             add("overlap.packing", 3 * n * h * itemsize, "overlap",
                 MEMORY_FORMULAS["overlap.packing_gpu"])
         elif knobs.optimizer_overlap:
@@ -685,6 +702,18 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
                     moe["expert_ffn"] = 4 * rows * model.expert_ffn * itemsize
                     formulas = {**formulas, "dispatch": MEMORY_FORMULAS["moe.dispatch_gpu"],
                                 "expert_ffn": MEMORY_FORMULAS["moe.expert_ffn_gpu"]}
+            if (platform == "gpu" and knobs.moe_dispatch == "pipelined" and unrolled
+                    and knobs.num_devices == 1 and moe["weight_sum"]):
+                # Chunked on the Mosaic path, one device: XLA:GPU holds four [M, H] where the
+                # operator's terms (measured on CPU) count nine; the six [M, F] it holds too.
+                # With devices to exchange with, the operator's terms stay (unmeasured).
+                from peakflat_jax.ops.pipelined_moe import chunk_rows
+
+                rows = chunk_rows(num_tokens=n, top_k=model.top_k, num_devices=1,
+                                  token_budget=knobs.token_budget, max_chunks=knobs.max_chunks)
+                moe["dispatch"] = 4 * rows * h * itemsize
+                formulas = {**formulas,
+                            "dispatch": MEMORY_FORMULAS["moe.dispatch_gpu_pipelined"]}
             terms += [(f"moe.{key}", value, "layer/ffn", formulas[key])
                       for key, value in moe.items()]
         if kind == "dense" and platform == "gpu":
