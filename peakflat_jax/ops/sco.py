@@ -183,17 +183,18 @@ class MadeInLoop:
     Given as ``sco_scan``'s ``stacked_params`` (``loop="unrolled"`` only). Layer l's
     parameters are ``make(l, sources[l], chain, ready) -> (params_l, output_l, chain)``, run in
     the forward with ``sources[l]`` behind an optimization barrier on layer ``l - lead``'s input
-    (none for the first ``lead`` layers), plus ``offsets.layers[l]`` (a PerLayer of zeros
-    shaped like the params: the gradients are taken with respect to them, and equal the
-    gradients with respect to the made params). ``sources`` and ``chain`` are pytrees of
-    arrays that take no gradient; ``chain`` is threaded from layer to layer (the optimizer's
-    slot chain). ``ready`` is layer l's own input (its inexact leaves, without gradient): work
-    that ``make`` ties to it waits for layer l - 1's compute (the trainer ties the update's
-    arithmetic to it where no slot chain orders the copies). ``layer_fn`` takes
-    ``wrap(l, params_l)`` (the identity unless ``map_params`` set it).
+    (none for the first ``lead`` layers), plus layer l's slice of ``offsets`` (zeros shaped
+    like the params stacked along a leading layer axis: the gradients are taken with respect
+    to them, and equal the gradients with respect to the made params; each layer's are
+    written in place into the stacked result, as for stacked params). ``sources`` and
+    ``chain`` are pytrees of arrays that take no gradient; ``chain`` is threaded from layer to
+    layer (the optimizer's slot chain). ``ready`` is layer l's own input (its inexact leaves,
+    without gradient): work that ``make`` ties to it waits for layer l - 1's compute (the
+    trainer ties the update's arithmetic to it where no slot chain orders the copies).
+    ``layer_fn`` takes ``wrap(l, params_l)`` (the identity unless ``map_params`` set it).
 
     Each layer's params (made plus offset) are written, as they are made, into one array per
-    leaf with a leading layer axis: ``into`` (stacked like the params; donated buffers, say,
+    leaf with a leading layer axis: ``into`` (stacked like ``offsets``; donated buffers, say,
     whose values are not read again), else fresh zeros. The backward slices its layer's params
     from those arrays, which are the residual, and after the call ``results`` holds
     ``(outputs, chain, stacked)``: the per-layer ``output_l``, the last chain and the stacked
@@ -205,12 +206,14 @@ class MadeInLoop:
     offload_adamw.md). The barrier is a data dependency no scheduler can reorder. Written into
     the stacked arrays as made, the params exist once: kept per layer for the backward and
     stacked by the caller, XLA:GPU held both copies through the dense layers' backward in one
-    schedule and not in another (h200-e2e at 540,672 and 533,994 tokens, docs/plan.md)."""
+    schedule and not in another (h200-e2e at 540,672 and 533,994 tokens, docs/plan.md); and
+    with per-layer gradients stacked by the caller, XLA:GPU held every layer's through the
+    dense layers' backward (h200-e2e at 540,672, the same plan)."""
 
     make: Callable
     sources: tuple
     chain: object
-    offsets: PerLayer
+    offsets: Any
     lead: int = 1
     results: list = dataclasses.field(default_factory=list)
     into: Any = None
@@ -239,14 +242,13 @@ class _Maker:
     def wrapped(self, layer: int, params):
         return params if self.wrap is None else self.wrap(layer, params)
 
-    def layers(self, made_inputs, offsets: PerLayer):
+    def layers(self, made_inputs, offsets):
         """A function of (layer, the inputs of the layers so far) giving layer l's params
         (made plus its offset), written into the stacked arrays, and one giving
         (outputs, chain, stacked) once every layer is made."""
         sources, chain, into = made_inputs
         if into is None:
-            into = jax.tree.map(lambda *layers: jnp.zeros((len(layers),) + layers[0].shape,
-                                                          layers[0].dtype), *offsets.layers)
+            into = jax.tree.map(jnp.zeros_like, offsets)
         state = {"chain": chain, "outputs": [], "stacked": into}
 
         def boundary(carry):
@@ -260,7 +262,7 @@ class _Maker:
                                                      boundary(inputs[layer]))
             state["outputs"].append(output)
             made = jax.tree.map(lambda m, o: m + o.astype(m.dtype) if _is_inexact(m) else m,
-                                made, offsets.layers[layer])
+                                made, _layer_params(offsets, layer))
             state["stacked"] = jax.tree.map(lambda s, m: s.at[layer].set(m), state["stacked"],
                                             made)
             return made
@@ -350,9 +352,11 @@ def sco_scan(layer_fn: Callable, carry, stacked_params, *, offload, loop: str = 
                              f"needs every layer's parameters first), got {loop!r}")
         if as_int("MadeInLoop.lead", made.lead) < 1:
             raise ValueError(f"MadeInLoop.lead: expected at least 1, got {made.lead}")
-        if len(made.sources) != len(made.offsets.layers):
-            raise ValueError(f"MadeInLoop.sources: expected one per layer "
-                             f"({len(made.offsets.layers)}), got {len(made.sources)}")
+        layers = {leaf.shape[0] if leaf.ndim else None for leaf in jax.tree.leaves(made.offsets)}
+        if len(layers) != 1 or len(made.sources) not in layers:
+            raise ValueError(f"MadeInLoop.offsets: expected a leading layer axis of "
+                             f"{len(made.sources)} (one per source) on every leaf, got "
+                             f"{[leaf.shape for leaf in jax.tree.leaves(made.offsets)]}")
         stacked_params = made.offsets
     per_layer = isinstance(stacked_params, PerLayer)
     if per_layer:
@@ -379,7 +383,7 @@ def sco_scan(layer_fn: Callable, carry, stacked_params, *, offload, loop: str = 
         return carry
     expected = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), carry)
     first = (_layer_params(stacked_params, 0) if made is None
-             else made.wrapped(0, stacked_params.layers[0]))
+             else made.wrapped(0, _layer_params(stacked_params, 0)))
     out = jax.eval_shape(layer_fn, carry, first)
     if (jax.tree.structure(out) != jax.tree.structure(expected)
             or any((a.shape, a.dtype) != (b.shape, b.dtype)
@@ -477,8 +481,8 @@ def _sco_unrolled_fwd(layer_fn, chosen, maker, carry, stacked_params, made_input
 
 
 def _sco_unrolled_bwd(layer_fn, chosen, maker, residuals, d_out):
-    # With a maker the residuals hold the made params, and the offsets' cotangents are theirs;
-    # the made outputs and the sources take no gradient.
+    # With a maker the residuals hold the made params stacked, and the offsets' cotangents
+    # are theirs; the made outputs and the sources take no gradient.
     boundaries, stacked_params = residuals
     d_carry = d_out if maker is None else d_out[0]
     num_layers = len(chosen)
@@ -499,12 +503,9 @@ def _sco_unrolled_bwd(layer_fn, chosen, maker, residuals, d_out):
     # one layer's parameters of temporaries per layer (XLA:CPU, each fix alone not enough).
     # Integer leaves (token ids, say) have float0 cotangents: nothing to write. PerLayer
     # params get per-layer gradients, each written once.
-    # With a maker the params are sliced from its stacked arrays and the gradients are the
-    # offsets', per layer.
-    per_layer = isinstance(stacked_params, PerLayer) or maker is not None
-    layer_tree = (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
-                               stacked_params) if maker is not None
-                  else _layer_params(stacked_params, 0))
+    # With a maker the params are its stacked arrays, and their gradients are the offsets'.
+    per_layer = isinstance(stacked_params, PerLayer)
+    layer_tree = _layer_params(stacked_params, 0) if per_layer else None
     leaves, treedef = jax.tree.flatten(layer_tree if per_layer else stacked_params)
     inexact = [i for i, leaf in enumerate(leaves) if _is_inexact(leaf)]
     d_stacked = [] if per_layer else [jnp.zeros_like(leaves[i]) for i in inexact]

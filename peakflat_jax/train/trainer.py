@@ -54,7 +54,7 @@ from peakflat_jax.model.attention import (
 from peakflat_jax.model.decoder import IGNORE
 from peakflat_jax.model.layers import Runtime
 from peakflat_jax.model.sharding import abstract_model, init_model
-from peakflat_jax.ops.sco import MadeInLoop, PerLayer
+from peakflat_jax.ops.sco import MadeInLoop
 from peakflat_jax.plan import DoesNotFit, check_plan, offload_flags
 from peakflat_jax.plan.host_pool import LIMIT_VARIABLE
 from peakflat_jax.train import checkpoint as ckpt
@@ -478,7 +478,6 @@ class Trainer:
             return ((jax.tree.unflatten(moe_def, weights), extras_layers[layer]),
                     group_state, () if deferred else tuple(chain[-slots:]))
 
-        zeros = [jnp.zeros(abstract[i].shape[1:], abstract[i].dtype) for i in moe]
 
         def loss(outer, offsets):
             outer = iter(outer)
@@ -488,8 +487,7 @@ class Trainer:
                 make, tuple((layout.group_leaves(pending, g), opt_state.group(g), scalars)
                             for g in layer_groups),
                 () if deferred else tuple(slot_chain[-slots:]),
-                PerLayer(tuple((p, jax.tree.map(jnp.zeros_like, e))
-                               for p, e in zip(offsets, extras_layers))),
+                offsets,
                 # Each layer's new weights written into the donated stacks, whose old values
                 # nothing reads (the update reads the fp32 master): they are the step's output.
                 into=(jax.tree.unflatten(moe_def, [leaves[i] for i in moe]),
@@ -498,17 +496,21 @@ class Trainer:
             group_states, _, (stacked, _) = made.results
             return value, (counts, group_states, jax.tree.leaves(stacked))
 
-        offsets = [jax.tree.unflatten(moe_def, zeros) for _ in range(num_moe_layers)]
-        (value, (counts, group_states, stacked)), (d_outer, d_layers) = jax.value_and_grad(
+        # The gradients are taken with respect to zeros added to the made weights, stacked:
+        # each layer's are written in place into the stacked result (sco.MadeInLoop).
+        offsets = (jax.tree.unflatten(moe_def, [jnp.zeros(abstract[i].shape, abstract[i].dtype)
+                                                for i in moe]),
+                   jax.tree.map(jnp.zeros_like, extras["moe_layers"]))
+        (value, (counts, group_states, stacked)), (d_outer, (d_moe, _)) = jax.value_and_grad(
             loss, argnums=(0, 1), has_aux=True)(outer, offsets)
         for layer, group_state in enumerate(group_states):
             groups[layer_groups[layer]] = group_state
-        d_outer, d_layers = iter(d_outer), [jax.tree.leaves(d) for d in d_layers]
+        d_outer, d_moe = iter(d_outer), jax.tree.leaves(d_moe)
         grads, new_params = [], []
         for i in range(len(leaves)):
             if i in abstract:
                 k = moe.index(i)
-                grads.append(jnp.stack([d[k] for d in d_layers]))
+                grads.append(d_moe[k])
                 new_params.append(stacked[k])
             else:
                 grads.append(next(d_outer))
