@@ -156,28 +156,30 @@ def test_the_plan_of_an_auto_config_models_the_cap_its_run_sets(environ):
 
 
 def test_the_trainer_chooses_what_peakflat_plan_chose_under_the_cap_it_set(environ):
-    """At h200-e2e's largest context under auto (533,994 tokens), a setting the plan rejects
-    under its own cap (no group resident, 6 MoE chunks: its pinned state needs a 120 GiB cap,
-    past the host) fits under the 112 GiB cap set from the chosen one (1 group, 8 chunks), and
-    the trainer, planning with that cap in its environment, took it: the H200 run of
-    2026-12-04 15:30 ran 6 chunks (its dump's bf16[6, 88999, 2048]) where ``peakflat plan``
-    had said 8. The trainer's plan (``check_plan``) now reads its own cap as unset and chooses
-    what ``peakflat plan`` chose, whose cap is the one set."""
+    """A setting the plan rejects under its own pool cap can fit under the cap set from the
+    chosen one, and a trainer planning with that cap in its environment took it: the H200 run
+    of 2026-12-04 15:30 at 533,994 tokens ran 0 groups resident and 6 MoE chunks (its dump's
+    bf16[6, 88999, 2048]) where ``peakflat plan`` had said 1 group and 8 chunks. The trainer's
+    plan (``check_plan``) now reads its own cap as unset and chooses what ``peakflat plan``
+    chose, whose cap is the one set. Today's terms make the same choice at 650,000 tokens with
+    every boundary offloaded: 2 groups resident and 5 chunks (a 111 GiB cap), where under that
+    cap the search alone takes 1 group and 4 chunks."""
     from types import SimpleNamespace
 
     from peakflat_jax.plan.machine import check_plan
 
-    config = load_config("h200-e2e", ["data.seq_len=533994"])
+    config = load_config("h200-e2e", ["data.seq_len=650000", "operators.offload=all"])
     memory = dict(device_memory=int(132.8 * GIB), host_memory=int(124.8 * GIB))
     before = make_plan(config, 1, platform="gpu", baseline=False, search_context=False, **memory)
+    assert (before.knobs.resident_groups, before.knobs.token_budget) == (2, 130_000)
     cap = host_pool.cap_from_plan(config)
-    assert cap == 112 and environ[host_pool.LIMIT_VARIABLE] == "112"
-    # Under the cap set, the search alone takes the other setting (what the run did).
+    assert cap == 111 and environ[host_pool.LIMIT_VARIABLE] == "111"
+    # Under the cap set, the search alone takes the other setting (what the 15:30 run did).
     under_cap = make_plan(config, 1, platform="gpu", baseline=False, search_context=False,
                           **memory)
-    assert (under_cap.knobs.resident_groups, under_cap.knobs.token_budget) == (0, 88_999)
+    assert (under_cap.knobs.resident_groups, under_cap.knobs.token_budget) == (1, 162_500)
     run = check_plan(config, [SimpleNamespace(platform="gpu")], **memory)
-    assert (run.knobs.resident_groups, run.knobs.token_budget) == (1, 66_750)
+    assert (run.knobs.resident_groups, run.knobs.token_budget) == (2, 130_000)
     assert run.knobs == before.knobs and run.total_bytes == before.total_bytes
     assert host_pool.planned_limit_gib(pinned_allocations(run.knobs, run.terms)) == cap
-    assert environ[host_pool.LIMIT_VARIABLE] == "112"
+    assert environ[host_pool.LIMIT_VARIABLE] == "111"

@@ -514,16 +514,17 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
             add("overlap.staging", staged, "overlap",
                 "the optimizer step's staging terms (above), now inside the step's program; 0 "
                 "on CPU, where XLA updates in place")
-        if knobs.optimizer_overlap and platform == "gpu" and scanned_overlap:
-            add("overlap.moe_layer_weights",
-                weights.params + max(num_moe - 1, 0) * weights.layer_shard["moe"], new_weights_live,
-                MEMORY_FORMULAS["overlap.moe_layer_weights_gpu"])
-        elif knobs.optimizer_overlap and platform == "gpu":
-            # Unrolled, each MoE layer's new weights are written into the donated stacks as
-            # they are made (sco.MadeInLoop's ``into``): the parameters' own bytes.
-            add("overlap.new_weights",
-                weights.params - max(num_moe - 1, 0) * weights.layer_shard["moe"], "overlap",
-                MEMORY_FORMULAS["overlap.new_weights_gpu"])
+        if knobs.optimizer_overlap and platform == "gpu":
+            if scanned_overlap:
+                add("overlap.moe_layer_weights", weights.params
+                    + max(num_moe - 1, 0) * weights.layer_shard["moe"], new_weights_live,
+                    MEMORY_FORMULAS["overlap.moe_layer_weights_gpu"])
+            else:
+                # Unrolled, each MoE layer's new weights are written into the donated stacks
+                # as they are made (sco.MadeInLoop's ``into``): the parameters' own bytes.
+                add("overlap.new_weights",
+                    weights.params - max(num_moe - 1, 0) * weights.layer_shard["moe"], "overlap",
+                    MEMORY_FORMULAS["overlap.new_weights_gpu"])
             add("overlap.packing", 3 * n * h * itemsize, "overlap",
                 MEMORY_FORMULAS["overlap.packing_gpu"])
         elif knobs.optimizer_overlap:
