@@ -28,16 +28,21 @@
 # left null, the planner would keep every group on a device it believes is 1 PB.
 #
 # What each stage answers:
-#   check540u issue 25: the overlapped step writing the MoE layers' new weights into the donated
-#             stacks (sco.MadeInLoop's into), compiled where the old program held both copies
-#             through the dense layers' backward: h200-e2e at 540,672 unrolled, no boundary
-#             offloaded (XLA's plan 117.04 GiB before; the plan now 107.33). Dumped (~4 min)
-#   auto741k  issues 25, 27: h200-e2e at the plan's largest context under operators auto with
-#             the new weights in place and four [M_c, H] rows (741,848: no boundary offloaded,
-#             10 chunks, 0 groups resident; planned 132.80 GiB), 3 steps, its overlapped step
-#             dumped (~17 min)
-#   check855  issue 25: h200-1 at its planned largest (855,174, the knobs auto chose there),
-#             compiled only and dumped: the new program's peak and its MoE rows at B = 16,384
+#   ours928k  issue 25: h200-1 at the plan's largest under operators auto since the overlapped
+#             step writes its MoE weights and gradients in place (928,166; 855,174 before), 3
+#             steps (~6 min)
+#   e2e32kb8  issue 27: h200-e2e at 32K, batch 8 (the largest batch target), operators auto, 3
+#             steps: today's program against today's plan (the 2026-12-02 run's peak, 124.40
+#             GiB, is over it: that step kept its MoE weights per layer) (~3 min)
+#   check741k issues 25, 27: h200-e2e at its largest under auto (741,848), the program with the
+#             gradients in place too (the 18:14 run's stacked them at its end: 131.14 GiB),
+#             compiled and dumped (~4 min)
+#   e2e1p1    issue 25: h200-e2e at 1.1x its largest (816,034) with the largest's knobs, the
+#             device check lifted, compiled: past the device, or fit by XLA's recomputation?
+#             (~4.5 min)
+#   ours1p1   issue 25: h200-1 at 1.1x its new largest (1,020,984), the knobs pinned, compiled
+#             (~3 min)
+#   e2e262k   issue 27: h200-e2e at 262,144 under auto, 3 steps, as e2e32kb8 (~5 min, if time)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -70,19 +75,23 @@ dump() {  # dump NAME: the overlapped step's buffer assignment and live ranges, 
     $(ls | grep -E "overlapped.*after_optimizations-live-range\.txt" | head -1)) 2>/dev/null
   rm -rf /tmp/xla-dump; }
 dumping="--xla_dump_to=/tmp/xla-dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=overlapped"
-e2e540u=(data.seq_len=540672 operators.moe_dispatch=pipelined operators.token_budget=56292
-         operators.loss=ring operators.offload=none operators.optimizer_offload=true
-         optimizer.resident_groups=0 operators.layer_loop=unrolled)
+e2e741=(operators.moe_dispatch=pipelined operators.token_budget=74185 operators.loss=ring
+        operators.offload=none operators.optimizer_offload=true optimizer.resident_groups=0)
 rm -rf /tmp/xla-dump
-# 1. Issue 25: the new weights in place, where the old program held them twice.
-XLA_FLAGS="$dumping" run check540u 420 "${plan[@]}" h200-e2e "${e2e540u[@]}" "${unbounded[@]}" --check
-dump check540u
-# 2. Issues 25 and 27: h200-e2e at auto's largest, trained, its overlapped step dumped.
-XLA_FLAGS="$dumping" run auto741k 1150 "${train[@]}" h200-e2e data.seq_len=741848 "${three[@]}" \
+# 1. Issue 25: h200-1 at its new largest, trained.
+run ours928k 600 "${train[@]}" h200-1 data.seq_len=928166 "${three[@]}" --run-dir /tmp/r1
+keep /tmp/r1 ours928k
+# 2. Issue 27: the batch target's probe, today's program.
+run e2e32kb8 300 "${train[@]}" h200-e2e data.seq_len=32768 data.batch_size=8 "${three[@]}" \
   --run-dir /tmp/r2
-keep /tmp/r2 auto741k
-dump auto741k
-# 3. Issue 25: h200-1 at its planned largest, compiled, the new program's rows and peak.
-XLA_FLAGS="$dumping" run check855 300 "${plan[@]}" h200-1 data.seq_len=855174 "${pinned[@]}" --check
-dump check855
+keep /tmp/r2 e2e32kb8
+# 3. Issues 25 and 27: h200-e2e's largest, today's program compiled and dumped.
+XLA_FLAGS="$dumping" run check741k 420 "${plan[@]}" h200-e2e data.seq_len=741848 --check
+dump check741k
+# 4. Issue 25: 1.1x of each largest, compiled with its knobs, the device check lifted.
+run e2e1p1 420 "${plan[@]}" h200-e2e data.seq_len=816034 "${e2e741[@]}" "${lifted[@]}" --check
+run ours1p1 300 "${plan[@]}" h200-1 data.seq_len=1020984 "${pinned[@]}" "${lifted[@]}" --check
+# 5. Issue 27: a long probe under auto, today's program.
+run e2e262k 360 "${train[@]}" h200-e2e data.seq_len=262144 "${three[@]}" --run-dir /tmp/r3
+keep /tmp/r3 e2e262k
 echo "=== all done $(date -Is)"

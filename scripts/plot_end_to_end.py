@@ -1,6 +1,7 @@
 """Peak device memory and tokens/s against context for h200-e2e on one H200: the standard stack
 (AdamW on the device; where its state does not fit there, on the host CPU) and ours
-(``operators: auto``; at 540,672 auto's knobs from 506,628 held, the device check lifted),
+(``operators: auto``; at 540,672 auto's knobs from 506,628 held, the device check lifted; at
+741,848 the plan's largest, the overlapped step writing its MoE weights in place),
 from the runs' records under scripts/results/ (each run a fresh process, 3 steps, batch 1).
 Writes docs/figures/end_to_end_h200.png.
 
@@ -32,7 +33,9 @@ OURS = [("h200_1_session_gpu_20261201-162217.json", "e2e_auto_32k"),
         ("h200_session_gpu_20261201-185430.json", "e2e_auto_131072"),
         ("h200_session_gpu_20261202-064500.json", "auto_h200-e2e_262144"),
         ("h200_session_gpu_20261202-185840.json", "e2e_largest"),
-        ("h200_session_gpu_20261203-130600.json", "e2e_8x")]
+        ("h200_session_gpu_20261203-130600.json", "e2e_8x"),
+        ("h200_session_gpu_20261204-153030.json", "auto_e2e534k"),
+        ("h200_session_gpu_20261204-181441.json", "auto741k")]
 DEVICE_GIB = 132.8  # the allocator's limit on an H200
 
 
@@ -50,7 +53,7 @@ def points(runs):
 def main():
     standard, host_cpu, ours = points(STANDARD), points(STANDARD_HOST_CPU), points(OURS)
     # Below the standard stack's longest context, auto chooses the standard stack itself.
-    ours = standard + ours
+    ours = sorted(standard + ours)
     fig, (memory, speed) = plt.subplots(1, 2, figsize=(11, 4.8))
     for axis in (memory, speed):
         axis.set_xscale("log", base=2)
