@@ -568,3 +568,62 @@ def test_a_stack_of_one_layer_holds_no_activation_from_its_forward():
     held the layer's [N, F] activation through the other stack's backward (XLA:GPU at h200-1,
     and XLA:CPU here: 64 MiB more than the same program with a stack of two)."""
     assert _two_stacks_temp_bytes(1) <= _two_stacks_temp_bytes(2)
+
+
+def _made_in_loop(sources, offsets, into=None):
+    """A ``sco.MadeInLoop`` whose layer l's params are ``2 * sources[l]`` plus its offsets, wrapped
+    twice (``map_params``): the params pytree, then with the layer's index beside it."""
+    def make(layer, source, chain, ready):
+        return jax.tree.map(lambda a: 2 * a, source), None, chain + 1
+
+    made = sco.MadeInLoop(make, sources, jnp.int32(0), offsets, into=into)
+    return made.map_params(lambda layer, p: {**p, "scale": p["scale"] * 0.5}).map_params(
+        lambda layer, p: {**p, "scale": p["scale"] * 2})
+
+
+@pytest.mark.parametrize("offload", [0, LAYERS], ids=str)
+@pytest.mark.parametrize("given_into", [False, True], ids=["zeros", "into"])
+def test_made_in_loop_equals_the_stacked_params(rng, offload, given_into):
+    """Params made inside the unrolled forward (``sco.MadeInLoop``: layer l's made from its
+    source, plus offsets that are not zero, written into stacked arrays) give the values and
+    the gradients of the stacked params they equal, the gradients with respect to the offsets
+    including those through the stacked output a loss reads too."""
+    h, params, d_h = draw(rng)
+    offsets = jax.tree.map(lambda a: a / 7, draw(rng)[1])
+    sources = tuple(jax.tree.map(lambda a, i=i: a[i] / 2, params) for i in range(LAYERS))
+    into = jax.tree.map(lambda a: jnp.full_like(a, 3.0), offsets) if given_into else None
+
+    def made(h, offsets):
+        loop = _made_in_loop(sources, offsets, into)
+        out = pf.sco_scan(layer_fn, h, loop, offload=offload, loop="unrolled")
+        outputs, chain, stacked = loop.results
+        assert chain.dtype == jnp.int32 and len(outputs) == LAYERS
+        return jnp.vdot(out, d_h) + sum(jnp.sum(a**2) for a in jax.tree.leaves(stacked))
+
+    def stacked(h, offsets):
+        p = jax.tree.map(lambda a, o: 2 * (a / 2) + o, params, offsets)
+        out = checkpointed_scan(layer_fn, h, p)
+        return jnp.vdot(out, d_h) + sum(jnp.sum(a**2) for a in jax.tree.leaves(p))
+
+    result = jax.jit(jax.value_and_grad(made, argnums=(0, 1)))(h, offsets)
+    expected = jax.jit(jax.value_and_grad(stacked, argnums=(0, 1)))(h, offsets)
+    for a, b in zip(jax.tree.leaves(result), jax.tree.leaves(expected)):
+        assert relative_error(a, b) < 1e-6
+
+
+def test_made_in_loop_refuses_params_unlike_its_offsets(rng):
+    """A made layer, or ``into``, of another dtype or shape than the offsets is refused with
+    the argument named, not cast into the stacked arrays."""
+    h, params, _ = draw(rng)
+    offsets = jax.tree.map(jnp.zeros_like, params)
+    sources = tuple(jax.tree.map(lambda a, i=i: a[i], params) for i in range(LAYERS))
+    narrow = tuple(jax.tree.map(lambda a: a.astype(jnp.bfloat16), s) for s in sources)
+    with pytest.raises(ValueError, match="MadeInLoop.make's params of layer 0"):
+        pf.sco_scan(layer_fn, h, _made_in_loop(narrow, offsets), offload=0, loop="unrolled")
+    short = jax.tree.map(lambda a: a[1:], offsets)
+    with pytest.raises(ValueError, match="MadeInLoop.into"):
+        pf.sco_scan(layer_fn, h, _made_in_loop(sources, offsets, into=short), offload=0,
+                    loop="unrolled")
+    with pytest.raises(ValueError, match="MadeInLoop.offsets"):
+        pf.sco_scan(layer_fn, h, _made_in_loop(sources[1:], offsets), offload=0,
+                    loop="unrolled")

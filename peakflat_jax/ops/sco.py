@@ -261,13 +261,29 @@ class _Maker:
             made, output, state["chain"] = self.make(layer, source, state["chain"],
                                                      boundary(inputs[layer]))
             state["outputs"].append(output)
-            made = jax.tree.map(lambda m, o: m + o.astype(m.dtype) if _is_inexact(m) else m,
+            _check_like(f"MadeInLoop.make's params of layer {layer}", made,
+                        _layer_params(offsets, layer))
+            made = jax.tree.map(lambda m, o: m + o if _is_inexact(m) else m,
                                 made, _layer_params(offsets, layer))
             state["stacked"] = jax.tree.map(lambda s, m: s.at[layer].set(m), state["stacked"],
                                             made)
             return made
 
         return params, lambda: (tuple(state["outputs"]), state["chain"], state["stacked"])
+
+
+def _check_like(what: str, tree, like) -> None:
+    """Raises a ValueError naming ``what`` unless ``tree`` has ``like``'s structure, shapes and
+    dtypes (a made layer's params against its offsets' slice; ``into`` against the offsets):
+    written into the stacked arrays, a mismatch would be cast or broadcast silently, and the
+    backward would recompute with other params than the forward used."""
+    expected = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), like)
+    got = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+    if jax.tree.structure(got) != jax.tree.structure(expected) or any(
+            (a.shape, a.dtype) != (b.shape, b.dtype)
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected))):
+        raise ValueError(f"{what}: expected the offsets' structure, shapes and dtypes "
+                         f"({expected}), got {got}")
 
 
 def host_memory_bytes() -> int:
@@ -357,6 +373,8 @@ def sco_scan(layer_fn: Callable, carry, stacked_params, *, offload, loop: str = 
             raise ValueError(f"MadeInLoop.offsets: expected a leading layer axis of "
                              f"{len(made.sources)} (one per source) on every leaf, got "
                              f"{[leaf.shape for leaf in jax.tree.leaves(made.offsets)]}")
+        if made.into is not None:
+            _check_like("MadeInLoop.into", made.into, made.offsets)
         stacked_params = made.offsets
     per_layer = isinstance(stacked_params, PerLayer)
     if per_layer:
@@ -436,7 +454,7 @@ def _move_boundary(carry, space):
 def _sco_unrolled(layer_fn, chosen, maker, carry, stacked_params, made_inputs):
     # Without differentiation nothing reads the boundaries again: no copies, no barriers.
     # ``maker``: None, or a MadeInLoop's _Maker (then ``stacked_params`` are its offsets and
-    # the result is (carry, (outputs, chain))).
+    # the result is (carry, (outputs, chain, stacked))).
     if maker is not None:
         params_of, results = maker.layers(made_inputs, stacked_params)
     inputs = []
@@ -482,7 +500,8 @@ def _sco_unrolled_fwd(layer_fn, chosen, maker, carry, stacked_params, made_input
 
 def _sco_unrolled_bwd(layer_fn, chosen, maker, residuals, d_out):
     # With a maker the residuals hold the made params stacked, and the offsets' cotangents
-    # are theirs; the made outputs and the sources take no gradient.
+    # are theirs, plus the stacked output's own (stacked = made + offsets); the made outputs,
+    # the chain and the sources take no gradient.
     boundaries, stacked_params = residuals
     d_carry = d_out if maker is None else d_out[0]
     num_layers = len(chosen)
@@ -508,7 +527,13 @@ def _sco_unrolled_bwd(layer_fn, chosen, maker, residuals, d_out):
     layer_tree = _layer_params(stacked_params, 0) if per_layer else None
     leaves, treedef = jax.tree.flatten(layer_tree if per_layer else stacked_params)
     inexact = [i for i, leaf in enumerate(leaves) if _is_inexact(leaf)]
-    d_stacked = [] if per_layer else [jnp.zeros_like(leaves[i]) for i in inexact]
+    if per_layer:
+        d_stacked = []
+    elif maker is not None:  # the stacked output's cotangent (zeros where nothing reads it)
+        given = treedef.flatten_up_to(d_out[1][2])
+        d_stacked = [given[i] for i in inexact]
+    else:
+        d_stacked = [jnp.zeros_like(leaves[i]) for i in inexact]
     d_layers = [None] * num_layers
     d_inexact = inexact_part(d_carry)
     incoming = restore(num_layers - 1, d_inexact)
@@ -539,7 +564,9 @@ def _sco_unrolled_bwd(layer_fn, chosen, maker, residuals, d_out):
         if per_layer:
             d_layers[layer] = [d_layer[i] for i in inexact]
         else:
-            d_stacked = [stack.at[layer].set(d_layer[i]) for stack, i in zip(d_stacked, inexact)]
+            write = (lambda stack, g: stack.at[layer].add(g)) if maker is not None else (
+                lambda stack, g: stack.at[layer].set(g))
+            d_stacked = [write(stack, d_layer[i]) for stack, i in zip(d_stacked, inexact)]
 
     def cotangent_tree(inexact_grads):
         d_leaves = [np.zeros(leaf.shape, jax.dtypes.float0) for leaf in leaves]

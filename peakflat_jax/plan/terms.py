@@ -16,6 +16,8 @@ from peakflat_jax import mesh as mop
 from peakflat_jax.config import Config, ConfigError
 from peakflat_jax.ops import ring_cross_entropy as ring_module
 from peakflat_jax.ops import sco as sco_module
+from peakflat_jax.ops.grouped_matmul import planned_path
+from peakflat_jax.ops.pipelined_moe import chunk_rows
 from peakflat_jax.optim import host_cpu_adamw as host_cpu_module
 from peakflat_jax.optim import offload_adamw as offload_module
 from peakflat_jax.optim import on_device_adamw as device_adamw_module
@@ -84,12 +86,13 @@ MEMORY_FORMULAS: dict[str, str] = {
                         "of h200-1's EP step at 64K and 256K: at most four [M, H])",
     "moe.expert_ffn_gpu": "4 * M * F * b on one GPU in one chunk (EP): the rows of width F held "
                           "at once (the same buffer assignments: at most four [M, F])",
-    "moe.dispatch_gpu_pipelined": "4 * M * H * b on one GPU, pipelined (M: one chunk's rows): "
-                                  "the rows of width H that XLA:GPU holds at once in the "
-                                  "layer's backward, where the operator's CPU-measured form "
-                                  "counts nine (its buffer assignments of h200-e2e's step at "
-                                  "533,994 tokens, unrolled, and 684,042, scanned: at most four "
-                                  "[M, H])",
+    "moe.dispatch_gpu_pipelined": "4 * M * H * b on one GPU, pipelined in chunks on the Mosaic "
+                                  "path, the layers unrolled (M: one chunk's rows): the rows of "
+                                  "width H that XLA:GPU holds at once in the layer's backward, "
+                                  "where the operator's CPU-measured form counts nine (its "
+                                  "buffer assignments of h200-e2e's unrolled step at 533,994 "
+                                  "and 741,848 tokens: at most four [M, H]; scanned at 684,042 "
+                                  "too, where the plan keeps nine: docs/plan.md)",
     "moe.dispatch_gpu_pressed": "2 * M * H * b on one GPU in one chunk (EP), the standard stack's "
                                 "step pressed (plan.programs.step_terms): past the device's "
                                 "memory XLA:GPU holds at most two [M, H] at once, the dispatched "
@@ -515,13 +518,14 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
                 "the optimizer step's staging terms (above), now inside the step's program; 0 "
                 "on CPU, where XLA updates in place")
         if knobs.optimizer_overlap and platform == "gpu":
-            if scanned_overlap:
+            # Unrolled, each MoE layer's new weights are written into the donated stacks as
+            # they are made (sco.MadeInLoop's ``into``): the parameters' own bytes, measured on
+            # one GPU. Scanned, or with devices to shard over (unmeasured), the older count.
+            if scanned_overlap or width > 1:
                 add("overlap.moe_layer_weights", weights.params
                     + max(num_moe - 1, 0) * weights.layer_shard["moe"], new_weights_live,
                     MEMORY_FORMULAS["overlap.moe_layer_weights_gpu"])
             else:
-                # Unrolled, each MoE layer's new weights are written into the donated stacks
-                # as they are made (sco.MadeInLoop's ``into``): the parameters' own bytes.
                 add("overlap.new_weights",
                     weights.params - max(num_moe - 1, 0) * weights.layer_shard["moe"], "overlap",
                     MEMORY_FORMULAS["overlap.new_weights_gpu"])
@@ -704,12 +708,13 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
                     formulas = {**formulas, "dispatch": MEMORY_FORMULAS["moe.dispatch_gpu"],
                                 "expert_ffn": MEMORY_FORMULAS["moe.expert_ffn_gpu"]}
             if (platform == "gpu" and knobs.moe_dispatch == "pipelined" and unrolled
-                    and knobs.num_devices == 1 and moe["weight_sum"]):
-                # Chunked on the Mosaic path, one device: XLA:GPU holds four [M, H] where the
-                # operator's terms (measured on CPU) count nine; the six [M, F] it holds too.
-                # With devices to exchange with, the operator's terms stay (unmeasured).
-                from peakflat_jax.ops.pipelined_moe import chunk_rows
-
+                    and knobs.num_devices == 1 and moe["weight_sum"]
+                    and planned_path(platform, model.dtype, model.dtype, h,
+                                     model.expert_ffn) == "mosaic"):
+                # In chunks (weight_sum: their fp32 sum) on the Mosaic path, one device:
+                # XLA:GPU holds four [M, H] where the operator's terms (measured on CPU) count
+                # nine; the six [M, F] it holds too. With devices to exchange with, or on
+                # another path, the operator's terms stay (unmeasured).
                 rows = chunk_rows(num_tokens=n, top_k=model.top_k, num_devices=1,
                                   token_budget=knobs.token_budget, max_chunks=knobs.max_chunks)
                 moe["dispatch"] = 4 * rows * h * itemsize
@@ -784,7 +789,6 @@ def phase_total(terms, phase: str) -> int:
 def _moe_terms(config: Config, knobs: Knobs, platform: str) -> tuple[dict, dict]:
     """pf.pipelined_moe's terms for the configured dispatch (the operator's own function)."""
     from peakflat_jax.ops import pipelined_moe as moe_module
-    from peakflat_jax.ops.grouped_matmul import planned_path
 
     model, llep = config.model, config.operators.llep
     common = dict(num_tokens=knobs.tokens_per_device, hidden=model.hidden,

@@ -489,7 +489,9 @@ class Trainer:
                 () if deferred else tuple(slot_chain[-slots:]),
                 offsets,
                 # Each layer's new weights written into the donated stacks, whose old values
-                # nothing reads (the update reads the fp32 master): they are the step's output.
+                # the update does not read (it reads the fp32 master): they are the step's
+                # output. (The router's bias rides along; _balanced_extras reads its old value,
+                # so XLA may copy that small stack first.)
                 into=(jax.tree.unflatten(moe_def, [leaves[i] for i in moe]),
                       extras["moe_layers"]))
             value, counts = model(batch, self.runtime, self.offload, moe_layers=made)
