@@ -27,22 +27,22 @@
 # A stage that lifts the device check (train.device_memory_gib) pins optimizer.resident_groups:
 # left null, the planner would keep every group on a device it believes is 1 PB.
 #
-# What each stage answers:
-#   ours928k  issue 25: h200-1 at the plan's largest under operators auto since the overlapped
-#             step writes its MoE weights and gradients in place (928,166; 855,174 before), 3
-#             steps (~6 min)
-#   e2e32kb8  issue 27: h200-e2e at 32K, batch 8 (the largest batch target), operators auto, 3
-#             steps: today's program against today's plan (the 2026-12-02 run's peak, 124.40
-#             GiB, is over it: that step kept its MoE weights per layer) (~3 min)
-#   check741k issues 25, 27: h200-e2e at its largest under auto (741,848), the program with the
-#             gradients in place too (the 18:14 run's stacked them at its end: 131.14 GiB),
-#             compiled and dumped (~4 min)
-#   e2e1p1    issue 25: h200-e2e at 1.1x its largest (816,034) with the largest's knobs, the
-#             device check lifted, compiled: past the device, or fit by XLA's recomputation?
-#             (~4.5 min)
-#   ours1p1   issue 25: h200-1 at 1.1x its new largest (1,020,984), the knobs pinned, compiled
-#             (~3 min)
-#   e2e262k   issue 27: h200-e2e at 262,144 under auto, 3 steps, as e2e32kb8 (~5 min, if time)
+# What each stage answers (today's program: the overlapped step writes its MoE weights and
+# gradients in place, bff6b63):
+#   on64k     issue 25's sweep: h200-1 at 64K, the four on (its older measurements, 62.38 and
+#             62.46 GiB, were of the step that stacked per-layer copies) (~1.5 min)
+#   ours1p1   issue 25: h200-1 at 1.1x its largest (1,020,984), the knobs the plan chose at
+#             928,166 pinned, the device check lifted, compiled (~3 min)
+#   ours928k  issue 25: h200-1 at the plan's largest under operators auto (928,166), 3 steps
+#             (~6 min)
+#   e2e1p1    issue 25: h200-e2e at 1.1x its largest (816,034), the knobs of 741,848, the device
+#             check lifted, compiled (~4.5 min)
+#   opt64k    issue 25's sweep: h200-1 at 64K, the optimizer's operator alone (~1.5 min)
+#   e2e64k    issue 25's host check: h200-e2e at 64K under auto, 3 steps (~1 min)
+#   e2e32kb8  issue 27: h200-e2e at 32K, batch 8, auto, 3 steps (~3 min)
+#   e2e262k   issue 27: h200-e2e at 262,144, auto, 3 steps (~5 min)
+#   on592k    issue 25: h200-1 at the standard stack's largest, the four on (~3.7 min, if time)
+#   check741k h200-e2e at its largest, today's program compiled and dumped (~4 min, if time)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -78,20 +78,28 @@ dumping="--xla_dump_to=/tmp/xla-dump --xla_dump_hlo_as_text --xla_dump_hlo_modul
 e2e741=(operators.moe_dispatch=pipelined operators.token_budget=74185 operators.loss=ring
         operators.offload=none operators.optimizer_offload=true optimizer.resident_groups=0)
 rm -rf /tmp/xla-dump
-# 1. Issue 25: h200-1 at its new largest, trained.
+on=(operators.moe_dispatch=pipelined operators.loss=ring operators.offload=all
+    operators.optimizer_offload=true)
+off=(operators.moe_dispatch=ep operators.loss=materialized operators.offload=none
+     operators.optimizer_offload=false)
+run on64k 240 "${train[@]}" h200-1 "${on[@]}" "${three[@]}" --run-dir /tmp/r1
+keep /tmp/r1 on64k
+run ours1p1 300 "${plan[@]}" h200-1 data.seq_len=1020984 "${pinned[@]}" "${lifted[@]}" --check
 run ours928k 600 "${train[@]}" h200-1 data.seq_len=928166 "${three[@]}" --run-dir /tmp/r1
 keep /tmp/r1 ours928k
-# 2. Issue 27: the batch target's probe, today's program.
+run e2e1p1 420 "${plan[@]}" h200-e2e data.seq_len=816034 "${e2e741[@]}" "${lifted[@]}" --check
+run opt64k 240 "${train[@]}" h200-1 "${off[@]}" operators.optimizer_offload=true "${three[@]}" \
+  --run-dir /tmp/r1
+keep /tmp/r1 opt64k
+run e2e64k 240 "${train[@]}" h200-e2e data.seq_len=65536 "${three[@]}" --run-dir /tmp/r2
+keep /tmp/r2 e2e64k
 run e2e32kb8 300 "${train[@]}" h200-e2e data.seq_len=32768 data.batch_size=8 "${three[@]}" \
   --run-dir /tmp/r2
 keep /tmp/r2 e2e32kb8
-# 3. Issues 25 and 27: h200-e2e's largest, today's program compiled and dumped.
-XLA_FLAGS="$dumping" run check741k 420 "${plan[@]}" h200-e2e data.seq_len=741848 --check
-dump check741k
-# 4. Issue 25: 1.1x of each largest, compiled with its knobs, the device check lifted.
-run e2e1p1 420 "${plan[@]}" h200-e2e data.seq_len=816034 "${e2e741[@]}" "${lifted[@]}" --check
-run ours1p1 300 "${plan[@]}" h200-1 data.seq_len=1020984 "${pinned[@]}" "${lifted[@]}" --check
-# 5. Issue 27: a long probe under auto, today's program.
 run e2e262k 360 "${train[@]}" h200-e2e data.seq_len=262144 "${three[@]}" --run-dir /tmp/r3
 keep /tmp/r3 e2e262k
+run on592k 300 "${train[@]}" h200-1 data.seq_len=592826 "${on[@]}" "${three[@]}" --run-dir /tmp/r1
+keep /tmp/r1 on592k
+XLA_FLAGS="$dumping" run check741k 420 "${plan[@]}" h200-e2e data.seq_len=741848 --check
+dump check741k
 echo "=== all done $(date -Is)"
