@@ -66,7 +66,12 @@ def run_record(logs: pathlib.Path, name: str, command: str) -> dict:
     record: dict = {"command": command}
     log = logs / f"{name}.log"
     if log.exists():
-        record["log_tail"] = log.read_text().splitlines()[-8:]
+        lines = log.read_text().splitlines()
+        # The trainer's banner: the knobs it ran with, those the planner filled in included.
+        banner = [line for line in lines if " peakflat train " in line][:1]
+        if banner:
+            record["banner"] = banner[0].split(None, 1)[1]
+        record["log_tail"] = lines[-8:]
     summary_path = logs / f"{name}_summary.json"
     if summary_path.exists():
         s = json.loads(summary_path.read_text())

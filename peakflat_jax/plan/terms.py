@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 import peakflat_jax.plan.host_pool as host_pool
 from peakflat_jax import mesh as mop
-from peakflat_jax.config import Config, ConfigError
+from peakflat_jax.config import Config, ConfigError, optimizer_groups
 from peakflat_jax.ops import ring_cross_entropy as ring_module
 from peakflat_jax.ops import sco as sco_module
 from peakflat_jax.ops.grouped_matmul import planned_path
@@ -134,12 +134,14 @@ MEMORY_FORMULAS: dict[str, str] = {
                                      "whose backward is still to come (b_m: one MoE layer's "
                                      "bytes; XLA:GPU's buffer assignments of h200-1's "
                                      "overlapped step at 64K, EP and pipelined: 9.5 GiB live "
-                                     "against 10.1)",
+                                     "against 10.1; unrolled with every group resident: "
+                                     "h200-1 at 64K and 592,826, 1.060x and 1.053x)",
     "overlap.new_weights_gpu": "P * b - (L_m - 1) * b_m on a GPU, unrolled: the new weights of "
                                "the leaves outside the MoE stack, held beside the old to the "
                                "step's end, and one MoE layer's made in the forward before it "
                                "is written into the donated stack in place (sco.MadeInLoop's "
-                               "into: the other MoE layers' are the parameters' own bytes)",
+                               "into: the other MoE layers' are the parameters' own bytes; "
+                               "measured where a group streams)",
     "forward.dense_layer": "the dense layer's forward on a GPU: what the layer holds but the "
                            "carried cotangent, and the FFN's gate, up and product, 3 * N * F_d "
                            "* b (_first_layer_forward; h200-e2e's buffer assignment at 540,672: "
@@ -520,8 +522,13 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
         if knobs.optimizer_overlap and platform == "gpu":
             # Unrolled, each MoE layer's new weights are written into the donated stacks as
             # they are made (sco.MadeInLoop's ``into``): the parameters' own bytes, measured on
-            # one GPU. Scanned, or with devices to shard over (unmeasured), the older count.
-            if scanned_overlap or width > 1:
+            # one GPU where a group streams. Every group resident (nothing streamed: no host
+            # copy ties a layer's update to its place in the forward), XLA:GPU's peak was the
+            # older program's (h200-1 all resident: 62.67 GiB at 64K, 125.95 at 592,826,
+            # where this form plans 57.21 and 123.38). Scanned, with devices to shard over
+            # (unmeasured) or every group resident, the older count.
+            all_resident = knobs.resident_groups >= optimizer_groups(model)
+            if scanned_overlap or width > 1 or all_resident:
                 add("overlap.moe_layer_weights", weights.params
                     + max(num_moe - 1, 0) * weights.layer_shard["moe"], new_weights_live,
                     MEMORY_FORMULAS["overlap.moe_layer_weights_gpu"])
