@@ -29,9 +29,9 @@ STANDARD_HOST_CPU = [("h200_session_gpu_20261201-185430.json", "e2e_hostcpu_3276
 STANDARD_OOM = 24576
 # Where a context ran twice, the latest run (the planner's choice as it is now).
 OURS = [("h200_1_session_gpu_20261201-162217.json", "e2e_auto_32k"),
-        ("h200_session_gpu_20261203-130600.json", "auto64k"),
+        ("h200_session_gpu_20261205-015142.json", "e2e64k"),
         ("h200_session_gpu_20261201-185430.json", "e2e_auto_131072"),
-        ("h200_session_gpu_20261202-064500.json", "auto_h200-e2e_262144"),
+        ("h200_session_gpu_20261205-015142.json", "e2e262k"),
         ("h200_session_gpu_20261202-185840.json", "e2e_largest"),
         ("h200_session_gpu_20261203-130600.json", "e2e_8x"),
         ("h200_session_gpu_20261204-153030.json", "auto_e2e534k"),

@@ -191,9 +191,12 @@ SEGMENT_CAP_4 = {
     "all on, 16K, optimizer step, XLA's plan": (
         ON_UNROLLED + ["data.seq_len=16384"], "optimizer_step",
         lambda: _checked("on_16384", "optimizer_step")),
+    # 1.28x over it when measured; the plan (20.36 GiB) is under it (23.21) since it counts
+    # neither the hoisted sums (9 GiB at any context) nor the per-layer copies: not measured
+    # with today's program (scripts/gpu_session.sh).
     "all on, 16K, XLA's plan": pytest.param(
         ON_UNROLLED + ["data.seq_len=16384"], "overlapped",
-        lambda: _checked("on_16384", "overlapped_step"), marks=_over("1.28x")),
+        lambda: _checked("on_16384", "overlapped_step"), marks=BEFORE_ZEROS_FIX),
     # 8.5 GiB under the plan since it leaves the FFN's four [N, F_d] out (16 GiB), within the
     # 9.0 GiB of hoisted sums this program held.
     "all on, 256K, XLA's plan": pytest.param(
