@@ -27,22 +27,20 @@
 # A stage that lifts the device check (train.device_memory_gib) pins optimizer.resident_groups:
 # left null, the planner would keep every group on a device it believes is 1 PB.
 #
-# What each stage answers (today's program: the overlapped step writes its MoE weights and
-# gradients in place, bff6b63):
-#   on64k     issue 25's sweep: h200-1 at 64K, the four on (its older measurements, 62.38 and
-#             62.46 GiB, were of the step that stacked per-layer copies) (~1.5 min)
-#   ours1p1   issue 25: h200-1 at 1.1x its largest (1,020,984), the knobs the plan chose at
-#             928,166 pinned, the device check lifted, compiled (~3 min)
-#   ours928k  issue 25: h200-1 at the plan's largest under operators auto (928,166), 3 steps
-#             (~6 min)
-#   e2e1p1    issue 25: h200-e2e at 1.1x its largest (816,034), the knobs of 741,848, the device
-#             check lifted, compiled (~4.5 min)
-#   opt64k    issue 25's sweep: h200-1 at 64K, the optimizer's operator alone (~1.5 min)
-#   e2e64k    issue 25's host check: h200-e2e at 64K under auto, 3 steps (~1 min)
-#   e2e32kb8  issue 27: h200-e2e at 32K, batch 8, auto, 3 steps (~3 min)
-#   e2e262k   issue 27: h200-e2e at 262,144, auto, 3 steps (~5 min)
-#   on592k    issue 25: h200-1 at the standard stack's largest, the four on (~3.7 min, if time)
-#   check741k h200-e2e at its largest, today's program compiled and dumped (~4 min, if time)
+# What each stage answers (the program of 556692d: the overlapped step writes its MoE weights
+# and gradients in place; where every optimizer group is resident the plan counts them as the
+# older program held them):
+#   on16k     issue 25's sweep: h200-1 at 16K, the four on, auto's resident groups (8 of 8),
+#             3 steps: the 16K point on today's program (2026-12-01's held 9 GiB of hoisted
+#             sums) (~1.5 min)
+#   on16k_r0  the same context and knobs as 2026-12-01's compile (unrolled, none resident),
+#             compiled (~1 min)
+#   res64k    h200-1 at 64K, the four on, every group resident, compiled and dumped: where
+#             XLA:GPU holds the 5.5 GiB the in-place form did not count (~1.5 min)
+#   off430k   issue 25: the standard stack between 416,768 (XLA kept the dense FFN's order)
+#             and 443,720 (it reordered, 1.22x under the plan), compiled (~2 min)
+#   e2e741k   issue 25: h200-e2e at its largest under auto (741,848), today's program, 3 steps
+#             (~17 min: 2026-12-04's run was of the program that stacked its gradients)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -82,24 +80,14 @@ on=(operators.moe_dispatch=pipelined operators.loss=ring operators.offload=all
     operators.optimizer_offload=true)
 off=(operators.moe_dispatch=ep operators.loss=materialized operators.offload=none
      operators.optimizer_offload=false)
-run on64k 240 "${train[@]}" h200-1 "${on[@]}" "${three[@]}" --run-dir /tmp/r1
-keep /tmp/r1 on64k
-run ours1p1 300 "${plan[@]}" h200-1 data.seq_len=1020984 "${pinned[@]}" "${lifted[@]}" --check
-run ours928k 600 "${train[@]}" h200-1 data.seq_len=928166 "${three[@]}" --run-dir /tmp/r1
-keep /tmp/r1 ours928k
-run e2e1p1 420 "${plan[@]}" h200-e2e data.seq_len=816034 "${e2e741[@]}" "${lifted[@]}" --check
-run opt64k 240 "${train[@]}" h200-1 "${off[@]}" operators.optimizer_offload=true "${three[@]}" \
-  --run-dir /tmp/r1
-keep /tmp/r1 opt64k
-run e2e64k 240 "${train[@]}" h200-e2e data.seq_len=65536 "${three[@]}" --run-dir /tmp/r2
-keep /tmp/r2 e2e64k
-run e2e32kb8 300 "${train[@]}" h200-e2e data.seq_len=32768 data.batch_size=8 "${three[@]}" \
-  --run-dir /tmp/r2
-keep /tmp/r2 e2e32kb8
-run e2e262k 360 "${train[@]}" h200-e2e data.seq_len=262144 "${three[@]}" --run-dir /tmp/r3
-keep /tmp/r3 e2e262k
-run on592k 300 "${train[@]}" h200-1 data.seq_len=592826 "${on[@]}" "${three[@]}" --run-dir /tmp/r1
-keep /tmp/r1 on592k
-XLA_FLAGS="$dumping" run check741k 420 "${plan[@]}" h200-e2e data.seq_len=741848 --check
-dump check741k
+run on16k 240 "${train[@]}" h200-1 data.seq_len=16384 "${on[@]}" "${three[@]}" --run-dir /tmp/r1
+keep /tmp/r1 on16k
+run on16k_r0 240 "${plan[@]}" h200-1 data.seq_len=16384 "${on[@]}" operators.layer_loop=unrolled \
+  optimizer.resident_groups=0 --check
+XLA_FLAGS="$dumping" run res64k 240 "${plan[@]}" h200-1 "${on[@]}" optimizer.resident_groups=8 \
+  --check
+dump res64k
+run off430k 300 "${plan[@]}" h200-1 data.seq_len=430000 "${off[@]}" "${unbounded[@]}" --check
+run e2e741k 1080 "${train[@]}" h200-e2e data.seq_len=741848 "${three[@]}" --run-dir /tmp/r3
+keep /tmp/r3 e2e741k
 echo "=== all done $(date -Is)"
