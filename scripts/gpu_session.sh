@@ -30,17 +30,17 @@
 # What each stage answers (the program of 556692d: the overlapped step writes its MoE weights
 # and gradients in place; where every optimizer group is resident the plan counts them as the
 # older program held them):
-#   on16k     issue 25's sweep: h200-1 at 16K, the four on, auto's resident groups (8 of 8),
-#             3 steps: the 16K point on today's program (2026-12-01's held 9 GiB of hoisted
-#             sums) (~1.5 min)
-#   on16k_r0  the same context and knobs as 2026-12-01's compile (unrolled, none resident),
-#             compiled (~1 min)
+#   on16k, off16k, opt16k, moe16k, loss16k, sco16k
+#             issue 25's sweep at 16K on today's program: h200-1 with the four on, all off, and
+#             each operator alone (the knobs it leaves null to the planner), 3 steps each, a
+#             fresh process each (~1 min each: 2026-12-05's 64K runs took 62 s)
 #   res64k    h200-1 at 64K, the four on, every group resident, compiled and dumped: where
 #             XLA:GPU holds the 5.5 GiB the in-place form did not count (~1.5 min)
 #   off430k   issue 25: the standard stack between 416,768 (XLA kept the dense FFN's order)
 #             and 443,720 (it reordered, 1.22x under the plan), compiled (~2 min)
-#   e2e741k   issue 25: h200-e2e at its largest under auto (741,848), today's program, 3 steps
-#             (~17 min: 2026-12-04's run was of the program that stacked its gradients)
+#   e2e741k   issue 27: h200-e2e at its largest under auto (741,848), today's program, 3 steps
+#             (~15.5 min: 2026-12-04's run, of the program that stacked its gradients, took
+#             260 s a step)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -80,14 +80,26 @@ on=(operators.moe_dispatch=pipelined operators.loss=ring operators.offload=all
     operators.optimizer_offload=true)
 off=(operators.moe_dispatch=ep operators.loss=materialized operators.offload=none
      operators.optimizer_offload=false)
-run on16k 240 "${train[@]}" h200-1 data.seq_len=16384 "${on[@]}" "${three[@]}" --run-dir /tmp/r1
+run on16k 180 "${train[@]}" h200-1 data.seq_len=16384 "${on[@]}" "${three[@]}" --run-dir /tmp/r1
 keep /tmp/r1 on16k
-run on16k_r0 240 "${plan[@]}" h200-1 data.seq_len=16384 "${on[@]}" operators.layer_loop=unrolled \
-  optimizer.resident_groups=0 --check
+run off16k 180 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" "${three[@]}" --run-dir /tmp/r1
+keep /tmp/r1 off16k
+run opt16k 180 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" \
+  operators.optimizer_offload=true "${three[@]}" --run-dir /tmp/r1
+keep /tmp/r1 opt16k
+run moe16k 180 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" \
+  operators.moe_dispatch=pipelined "${three[@]}" --run-dir /tmp/r1
+keep /tmp/r1 moe16k
+run loss16k 180 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" operators.loss=ring \
+  "${three[@]}" --run-dir /tmp/r1
+keep /tmp/r1 loss16k
+run sco16k 180 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" operators.offload=all \
+  "${three[@]}" --run-dir /tmp/r1
+keep /tmp/r1 sco16k
 XLA_FLAGS="$dumping" run res64k 240 "${plan[@]}" h200-1 "${on[@]}" optimizer.resident_groups=8 \
   --check
 dump res64k
 run off430k 300 "${plan[@]}" h200-1 data.seq_len=430000 "${off[@]}" "${unbounded[@]}" --check
-run e2e741k 1080 "${train[@]}" h200-e2e data.seq_len=741848 "${three[@]}" --run-dir /tmp/r3
+run e2e741k 1000 "${train[@]}" h200-e2e data.seq_len=741848 "${three[@]}" --run-dir /tmp/r3
 keep /tmp/r3 e2e741k
 echo "=== all done $(date -Is)"
