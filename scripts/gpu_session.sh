@@ -27,20 +27,18 @@
 # A stage that lifts the device check (train.device_memory_gib) pins optimizer.resident_groups:
 # left null, the planner would keep every group on a device it believes is 1 PB.
 #
-# What each stage answers (the program of 556692d: the overlapped step writes its MoE weights
-# and gradients in place; where every optimizer group is resident the plan counts them as the
-# older program held them):
-#   on16k, off16k, opt16k, moe16k, loss16k, sco16k
-#             issue 25's sweep at 16K on today's program: h200-1 with the four on, all off, and
-#             each operator alone (the knobs it leaves null to the planner), 3 steps each, a
-#             fresh process each (~1 min each: 2026-12-05's 64K runs took 62 s)
-#   res64k    h200-1 at 64K, the four on, every group resident, compiled and dumped: where
-#             XLA:GPU holds the 5.5 GiB the in-place form did not count (~1.5 min)
-#   off430k   issue 25: the standard stack between 416,768 (XLA kept the dense FFN's order)
-#             and 443,720 (it reordered, 1.22x under the plan), compiled (~2 min)
+# What each stage answers (the program of 556692d). The first lease of 2026-12-05 07:15 ran the
+# 16K sweep, res64k and off430k of f1ef99a on an H100 (80 GB): the device tool gave one for
+# nvidia-h200, and e2e741k was refused there, the planner's largest for h200-e2e on 80 GB being
+# 294,968. This second lease asks for an H200 (needs_h200: 741,848 needs 131 GiB):
 #   e2e741k   issue 27: h200-e2e at its largest under auto (741,848), today's program, 3 steps
 #             (~15.5 min: 2026-12-04's run, of the program that stacked its gradients, took
 #             260 s a step)
+#   off430k   issue 25: the standard stack between 416,768 (XLA kept the dense FFN's order)
+#             and 443,720 (it reordered, 1.22x under the plan), compiled on the H200, whose
+#             scheduler limit the H100's compile did not have (~1.5 min)
+#   on16k     issue 25: h200-1 at 16K with the four on, on the H200 (the H100's host is not
+#             the H200's), if the lease has time left
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -80,26 +78,9 @@ on=(operators.moe_dispatch=pipelined operators.loss=ring operators.offload=all
     operators.optimizer_offload=true)
 off=(operators.moe_dispatch=ep operators.loss=materialized operators.offload=none
      operators.optimizer_offload=false)
-run on16k 180 "${train[@]}" h200-1 data.seq_len=16384 "${on[@]}" "${three[@]}" --run-dir /tmp/r1
-keep /tmp/r1 on16k
-run off16k 180 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" "${three[@]}" --run-dir /tmp/r1
-keep /tmp/r1 off16k
-run opt16k 180 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" \
-  operators.optimizer_offload=true "${three[@]}" --run-dir /tmp/r1
-keep /tmp/r1 opt16k
-run moe16k 180 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" \
-  operators.moe_dispatch=pipelined "${three[@]}" --run-dir /tmp/r1
-keep /tmp/r1 moe16k
-run loss16k 180 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" operators.loss=ring \
-  "${three[@]}" --run-dir /tmp/r1
-keep /tmp/r1 loss16k
-run sco16k 180 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" operators.offload=all \
-  "${three[@]}" --run-dir /tmp/r1
-keep /tmp/r1 sco16k
-XLA_FLAGS="$dumping" run res64k 240 "${plan[@]}" h200-1 "${on[@]}" optimizer.resident_groups=8 \
-  --check
-dump res64k
-run off430k 300 "${plan[@]}" h200-1 data.seq_len=430000 "${off[@]}" "${unbounded[@]}" --check
 run e2e741k 1000 "${train[@]}" h200-e2e data.seq_len=741848 "${three[@]}" --run-dir /tmp/r3
 keep /tmp/r3 e2e741k
+run off430k 200 "${plan[@]}" h200-1 data.seq_len=430000 "${off[@]}" "${unbounded[@]}" --check
+run on16k 150 "${train[@]}" h200-1 data.seq_len=16384 "${on[@]}" "${three[@]}" --run-dir /tmp/r1
+keep /tmp/r1 on16k
 echo "=== all done $(date -Is)"
