@@ -30,15 +30,15 @@
 # What each stage answers (the program of 556692d). The first lease of 2026-12-05 07:15 ran the
 # 16K sweep, res64k and off430k of f1ef99a on an H100 (80 GB): the device tool gave one for
 # nvidia-h200, and e2e741k was refused there, the planner's largest for h200-e2e on 80 GB being
-# 294,968. This second lease asks for an H200 (needs_h200: 741,848 needs 131 GiB):
-#   e2e741k   issue 27: h200-e2e at its largest under auto (741,848), today's program, 3 steps
-#             (~15.5 min: 2026-12-04's run, of the program that stacked its gradients, took
-#             260 s a step)
+# 294,968 (h100_session_gpu_20261205-071630.json). Two calls for an H200 then found none, and
+# the budget left (1,016 s) is under e2e741k's ~1,000 s. This lease asks for an H200
+# (needs_h200: the standard stack at 430,000 needs 104 GiB):
 #   off430k   issue 25: the standard stack between 416,768 (XLA kept the dense FFN's order)
 #             and 443,720 (it reordered, 1.22x under the plan), compiled on the H200, whose
 #             scheduler limit the H100's compile did not have (~1.5 min)
-#   on16k     issue 25: h200-1 at 16K with the four on, on the H200 (the H100's host is not
-#             the H200's), if the lease has time left
+#   on16k, off16k, opt16k, moe16k, loss16k, sco16k
+#             issue 25's sweep at 16K again on the H200: the H100 machine's host runtime is
+#             ~2.2 GiB under the H200 machine's, which the host plan counts (~1 min each)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -78,9 +78,21 @@ on=(operators.moe_dispatch=pipelined operators.loss=ring operators.offload=all
     operators.optimizer_offload=true)
 off=(operators.moe_dispatch=ep operators.loss=materialized operators.offload=none
      operators.optimizer_offload=false)
-run e2e741k 1000 "${train[@]}" h200-e2e data.seq_len=741848 "${three[@]}" --run-dir /tmp/r3
-keep /tmp/r3 e2e741k
 run off430k 200 "${plan[@]}" h200-1 data.seq_len=430000 "${off[@]}" "${unbounded[@]}" --check
-run on16k 150 "${train[@]}" h200-1 data.seq_len=16384 "${on[@]}" "${three[@]}" --run-dir /tmp/r1
+run on16k 180 "${train[@]}" h200-1 data.seq_len=16384 "${on[@]}" "${three[@]}" --run-dir /tmp/r1
 keep /tmp/r1 on16k
+run off16k 150 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" "${three[@]}" --run-dir /tmp/r1
+keep /tmp/r1 off16k
+run opt16k 150 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" \
+  operators.optimizer_offload=true "${three[@]}" --run-dir /tmp/r1
+keep /tmp/r1 opt16k
+run moe16k 150 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" \
+  operators.moe_dispatch=pipelined "${three[@]}" --run-dir /tmp/r1
+keep /tmp/r1 moe16k
+run loss16k 150 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" operators.loss=ring \
+  "${three[@]}" --run-dir /tmp/r1
+keep /tmp/r1 loss16k
+run sco16k 150 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" operators.offload=all \
+  "${three[@]}" --run-dir /tmp/r1
+keep /tmp/r1 sco16k
 echo "=== all done $(date -Is)"

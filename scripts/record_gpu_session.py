@@ -10,7 +10,7 @@ host's VmHWM, losses) and of ``NAME_profile.json`` (host copies under compute), 
 ``peakflat plan`` says of the same command here, at this checkout (platform gpu: the config's
 device; its commit goes into the record as ``plan_commit``), so that a record holds the plan it
 is held to. A run with no summary (killed, out of memory) keeps its
-log. Writes ``scripts/results/h200_session_gpu_<date>.json`` and prints its path."""
+log. Writes ``scripts/results/<card>_session_gpu_<date>.json`` and prints its path."""
 
 from __future__ import annotations
 
@@ -110,6 +110,8 @@ def main(argv=None) -> int:
     parser.add_argument("--date", required=True, help="the driver's start, ISO 8601")
     parser.add_argument("--note", required=True)
     parser.add_argument("--device", default="1 x NVIDIA H200 (nvidia-h200), 143771 MiB")
+    parser.add_argument("--card", default="h200",
+                        help="the card the runs had, the record's name: h200_session_gpu_...")
     parser.add_argument("--run", action="append", default=[], metavar="NAME=COMMAND")
     parser.add_argument("--extra", action="append", default=[], metavar="NAME=FILE.json",
                         help="a JSON file of the logs kept whole under runs[NAME]")
@@ -127,7 +129,7 @@ def main(argv=None) -> int:
     record = {"benchmark": "train", "date": date.isoformat(), "device": args.device,
               "jax": "0.11.2", "commit": args.commit, "plan_commit": plan_commit,
               "note": args.note, "runs": runs}
-    path = RESULTS / f"h200_session_gpu_{date:%Y%m%d-%H%M%S}.json"
+    path = RESULTS / f"{args.card}_session_gpu_{date:%Y%m%d-%H%M%S}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(path)
     return 0
