@@ -95,4 +95,6 @@ keep /tmp/r1 loss16k
 run sco16k 150 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" operators.offload=all \
   "${three[@]}" --run-dir /tmp/r1
 keep /tmp/r1 sco16k
+run on16k_r0 150 "${plan[@]}" h200-1 data.seq_len=16384 "${on[@]}" operators.layer_loop=unrolled \
+  optimizer.resident_groups=0 --check
 echo "=== all done $(date -Is)"
