@@ -6,7 +6,9 @@
 # (cli.prepare_environment).
 #
 #   cp ../shared/gpu/driver.sh .gpu/ && cp scripts/gpu_session.sh .gpu/stages.sh  (wheels: .whl/)
-#   call 1 (kind nvidia-h200, carry [".gpu", ".whl"], timeout_s 600), ALONE in its batch:
+#   call 1 (kind nvidia-h200, carry [".gpu", ".whl"], timeout_s 600), ALONE in its batch;
+#   needs_h200 true where a stage needs more than an H100's ~78 GiB (without it the kind may
+#   give an H100: 2026-12-05 07:15 did, and h200-e2e at 741,848 was refused there):
 #     PEAKFLAT_COMMIT=<sha> bash .gpu/driver.sh start .gpu/stages.sh 0 >/dev/null; \
 #     for i in $(seq 110); do grep -q "all done" /tmp/gpu-logs/driver.log && break; sleep 5; done; \
 #     bash .gpu/driver.sh collect
