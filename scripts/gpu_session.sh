@@ -80,7 +80,6 @@ on=(operators.moe_dispatch=pipelined operators.loss=ring operators.offload=all
     operators.optimizer_offload=true)
 off=(operators.moe_dispatch=ep operators.loss=materialized operators.offload=none
      operators.optimizer_offload=false)
-run off430k 200 "${plan[@]}" h200-1 data.seq_len=430000 "${off[@]}" "${unbounded[@]}" --check
 run on16k 180 "${train[@]}" h200-1 data.seq_len=16384 "${on[@]}" "${three[@]}" --run-dir /tmp/r1
 keep /tmp/r1 on16k
 run off16k 150 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" "${three[@]}" --run-dir /tmp/r1
@@ -88,6 +87,7 @@ keep /tmp/r1 off16k
 run opt16k 150 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" \
   operators.optimizer_offload=true "${three[@]}" --run-dir /tmp/r1
 keep /tmp/r1 opt16k
+run off430k 200 "${plan[@]}" h200-1 data.seq_len=430000 "${off[@]}" "${unbounded[@]}" --check
 run moe16k 150 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" \
   operators.moe_dispatch=pipelined "${three[@]}" --run-dir /tmp/r1
 keep /tmp/r1 moe16k
