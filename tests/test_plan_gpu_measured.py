@@ -1651,11 +1651,12 @@ def test_the_plan_bounds_issue_25_s_sweep_at_16k(run, monkeypatch):
     """Issue 25's sweep at 16K on today's program (2026-12-05 07:16, each run a fresh process,
     3 steps; the device tool gave an H100 80GB for kind nvidia-h200): h200-1 with the four on,
     all off and each operator alone. The allocator's peak at or under the plan of the same
-    config (the H200's: device.memory_gib 132.8; at 16K the step's temporaries, 3-13 GiB, are
-    far under either card's scheduler limit) and the plan within 1.2x of it (1.056-1.107x),
-    with the optimizer groups the planner chose as the run did. The host's VmHWM at or under
-    the plan; the plan is 1.36-1.63x of it there, the runtime it counts being the H200
-    machine's (6.0 GiB beside the state), ~2.2 GiB over this machine's."""
+    config (the H200's: device.memory_gib 132.8; at 16K the step's temporaries, about 8-13
+    GiB, are under either card's scheduler limit) and the plan within 1.2x of it
+    (1.056-1.107x), with the optimizer groups the planner chose as the run did. The host's
+    VmHWM at or under the plan; the plan is 1.36-1.63x of it there (1.9-2.4 GiB over), its
+    runtime term being the H200 machine's (within 1.03x there: test_the_plan_bounds_the_in_
+    place_step_s_runs)."""
     monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
     overrides = SWEEP_16K[run] + ["data.seq_len=16384"]
     measured = _record_run(SESSION19, run)
@@ -1706,6 +1707,7 @@ def test_with_every_group_resident_the_step_holds_the_old_stacks_and_the_layers_
     (counted,) = [t.bytes for t in older.terms if t.name == "overlap.moe_layer_weights"]
     (in_place,) = [t.bytes for t in plan(7).terms if t.name == "overlap.new_weights"]
     xla = _session_checked("res64k", "overlapped_step", SESSION19)
-    assert "optimizer.resident_groups=8" in _record_run(SESSION19, "res64k")["command"]
+    for override in ON + ["optimizer.resident_groups=8"]:
+        assert override in _record_run(SESSION19, "res64k")["command"]
     assert older.programs["overlapped"] - counted + in_place < xla
     assert xla <= older.programs["overlapped"] <= 1.2 * xla
