@@ -32,15 +32,17 @@
 # What each stage answers (the program of 556692d). The first lease of 2026-12-05 07:15 ran the
 # 16K sweep, res64k and off430k of f1ef99a on an H100 (80 GB): the device tool gave one for
 # nvidia-h200, and e2e741k was refused there, the planner's largest for h200-e2e on 80 GB being
-# 294,968 (h100_session_gpu_20261205-071630.json). Two calls for an H200 then found none, and
-# the budget left (1,016 s) is under e2e741k's ~1,000 s. This lease asks for an H200
-# (needs_h200: the standard stack at 430,000 needs 104 GiB):
+# 294,968 (h100_session_gpu_20261205-071630.json). Six calls for an H200 then found none
+# (07:27-08:53). The next lease asks for an H200 (needs_h200: the standard stack at 430,000
+# needs 104 GiB); with a whole lease, e2e741k (~15.5 min: 260 s a step on 2026-12-04) belongs
+# after these stages:
 #   off430k   issue 25: the standard stack between 416,768 (XLA kept the dense FFN's order)
 #             and 443,720 (it reordered, 1.22x under the plan), compiled on the H200, whose
 #             scheduler limit the H100's compile did not have (~1.5 min)
 #   on16k, off16k, opt16k, moe16k, loss16k, sco16k
-#             issue 25's sweep at 16K again on the H200: the H100 machine's host runtime is
-#             ~2.2 GiB under the H200 machine's, which the host plan counts (~1 min each)
+#             issue 25's sweep at 16K again on the H200: on the H100 machine the host plan,
+#             whose runtime term is the H200 machine's, was 1.9-2.4 GiB over each VmHWM
+#             (1.36-1.63x) (~1 min each)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"

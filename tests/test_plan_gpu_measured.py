@@ -1402,16 +1402,22 @@ def test_e2e_trains_at_the_plan_s_largest_under_auto_within_1_2x_of_its_plan(mon
     assert host <= at.host_bytes <= 1.2 * host
 
 
+def _values_at_peak(archive: str, tmp_path) -> list[tuple]:
+    """The buffers ((allocation, offset, size, shape), one per live range) of the values
+    XLA:GPU's buffer assignment of the overlapped step in ``archive`` holds at its peak."""
+    script, values, _, schedule, ranges = _read_dump(RESULTS / archive, "overlapped", tmp_path)
+    used = script.usage(values, ranges, len(schedule))
+    peak = max(range(len(used)), key=used.__getitem__)
+    return [value for name, first, last in ranges if first <= peak <= last
+            and (value := script._lookup(values, name))]
+
+
 def _layer_copies_at_peak(archive: str, tmp_path) -> tuple[int, int]:
     """How many values of one MoE layer's weight (bf16 [64, 2048, 1536] or its transpose) and
     of the eleven layers' stack of one (bf16 [11, 64, 2048, 1536]) XLA:GPU's buffer assignment
     of h200-e2e's overlapped step holds at its peak."""
-    script, values, _, schedule, ranges = _read_dump(RESULTS / archive, "overlapped", tmp_path)
-    used = script.usage(values, ranges, len(schedule))
-    peak = max(range(len(used)), key=used.__getitem__)
     layer = 64 * 2048 * 1536 * 2
-    sizes = [value[2] for name, first, last in ranges if first <= peak <= last
-             and (value := script._lookup(values, name))]
+    sizes = [size for _, _, size, _ in _values_at_peak(archive, tmp_path)]
     return sizes.count(layer), sizes.count(11 * layer)
 
 
@@ -1687,12 +1693,8 @@ def test_with_every_group_resident_the_step_holds_the_old_stacks_and_the_layers_
     within 1.2x; with the in-place form it would be under it."""
     model = load_config("h200-1").model
     num_moe = model.num_layers - model.num_dense_layers
-    script, values, _, schedule, ranges = _read_dump(
-        RESULTS / "xla_gpu_live_ranges_h200-1_res64k_h100_20261205.tgz", "overlapped", tmp_path)
-    used = script.usage(values, ranges, len(schedule))
-    peak = max(range(len(used)), key=used.__getitem__)
-    held = {value for name, first, last in ranges if first <= peak <= last
-            and (value := script._lookup(values, name))}  # each allocated byte once
+    held = set(_values_at_peak("xla_gpu_live_ranges_h200-1_res64k_h100_20261205.tgz",
+                               tmp_path))  # each allocated byte once
     # (by shape: at 64K one [N, H] in bf16 has one layer's weight's bytes too)
     experts = f"{model.num_experts},"
     stacks = sum(shape.startswith(f"bf16[{num_moe},{experts}") for *_, shape in held)
