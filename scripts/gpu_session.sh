@@ -29,20 +29,22 @@
 # A stage that lifts the device check (train.device_memory_gib) pins optimizer.resident_groups:
 # left null, the planner would keep every group on a device it believes is 1 PB.
 #
-# What each stage answers (the program of 556692d). The first lease of 2026-12-05 07:15 ran the
-# 16K sweep, res64k and off430k of f1ef99a on an H100 (80 GB): the device tool gave one for
-# nvidia-h200, and e2e741k was refused there, the planner's largest for h200-e2e on 80 GB being
-# 294,968 (h100_session_gpu_20261205-071630.json). Six calls for an H200 then found none
-# (07:27-08:53). The next lease asks for an H200 (needs_h200: the standard stack at 430,000
-# needs 104 GiB); with a whole lease, e2e741k (~15.5 min: 260 s a step on 2026-12-04) belongs
-# after these stages:
-#   off430k   issue 25: the standard stack between 416,768 (XLA kept the dense FFN's order)
-#             and 443,720 (it reordered, 1.22x under the plan), compiled on the H200, whose
-#             scheduler limit the H100's compile did not have (~1.5 min)
+# What each stage answers (the program of e5e55e4). The nineteenth driver (2026-12-05 07:15) ran
+# the 16K sweep on an H100 the device tool gave for nvidia-h200; six calls for an H200 then found
+# none. This one asks for an H200 (needs_h200: the standard stack's step at 262K-430K is 88-130
+# GiB):
+#   off416k, off262k, off378k, off430k   issue 25: h200-1's standard stack compiled (plan --check)
+#             with XLA:GPU's dumps of its step. 262K-416K were measured only before the scanned
+#             backward's barrier (2026-12-01 22:05), when XLA held the dense FFN's four [N, F_d]
+#             under the attention's backward; 443,720, after it, held none. Whether today's
+#             program holds them below 443,720 decides the standard stack's rule
+#             (plan.programs.step_terms) (~1.5 min each)
 #   on16k, off16k, opt16k, moe16k, loss16k, sco16k
 #             issue 25's sweep at 16K again on the H200: on the H100 machine the host plan,
 #             whose runtime term is the H200 machine's, was 1.9-2.4 GiB over each VmHWM
 #             (1.36-1.63x) (~1 min each)
+#   on16k_r0  the four on at 16K, every group streamed, compiled: 2026-12-01's 16K point was of
+#             a program no longer built
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -65,23 +67,22 @@ plan=(python3 -m peakflat_jax.cli plan)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 export PEAKFLAT_JAX_CACHE=/tmp/cache
 unbounded=(train.device_memory_gib=1000000 train.host_memory_gib=1000000)
-pinned=(operators.moe_dispatch=pipelined operators.token_budget=16384 operators.loss=materialized
-        operators.offload=all operators.optimizer_offload=true optimizer.resident_groups=0)
 three=(train.steps=3 "${nc[@]}")
-lifted=(train.device_memory_gib=1000000)  # the host's budget stays the machine's
-dump() {  # dump NAME: the overlapped step's buffer assignment and live ranges, then clear
-  (cd /tmp/xla-dump && tar -czf "$LOGS/xla_dump_$1.tgz" \
-    $(ls | grep -E "overlapped.*after_optimizations-buffer-assignment\.txt" | head -1) \
-    $(ls | grep -E "overlapped.*after_optimizations-live-range\.txt" | head -1)) 2>/dev/null
-  rm -rf /tmp/xla-dump; }
-dumping="--xla_dump_to=/tmp/xla-dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=overlapped"
-e2e741=(operators.moe_dispatch=pipelined operators.token_budget=74185 operators.loss=ring
-        operators.offload=none operators.optimizer_offload=true optimizer.resident_groups=0)
-rm -rf /tmp/xla-dump
 on=(operators.moe_dispatch=pipelined operators.loss=ring operators.offload=all
     operators.optimizer_offload=true)
 off=(operators.moe_dispatch=ep operators.loss=materialized operators.offload=none
      operators.optimizer_offload=false)
+dump_step() {  # dump_step NAME OVERRIDES...: plan --check of h200-1, the step's dumps kept
+  local name=$1; shift; rm -rf "/tmp/dump-$name"
+  XLA_FLAGS="--xla_dump_to=/tmp/dump-$name --xla_dump_hlo_as_text --xla_dump_hlo_module_re=train_step" \
+    run "$name" 240 "${plan[@]}" h200-1 "$@" --check
+  mkdir -p "/tmp/pick-$name" && cp /tmp/dump-$name/*after_optimizations-{live-range,memory-usage-report,buffer-assignment}.txt \
+    "/tmp/pick-$name/" 2>/dev/null
+  tar -czf "$LOGS/xla_dump_$name.tgz" -C /tmp "pick-$name"; rm -rf "/tmp/dump-$name" "/tmp/pick-$name"; }
+dump_step off416k data.seq_len=416768 "${off[@]}" "${unbounded[@]}"
+dump_step off262k data.seq_len=262144 "${off[@]}" "${unbounded[@]}"
+dump_step off378k data.seq_len=378176 "${off[@]}" "${unbounded[@]}"
+dump_step off430k data.seq_len=430000 "${off[@]}" "${unbounded[@]}"
 run on16k 180 "${train[@]}" h200-1 data.seq_len=16384 "${on[@]}" "${three[@]}" --run-dir /tmp/r1
 keep /tmp/r1 on16k
 run off16k 150 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" "${three[@]}" --run-dir /tmp/r1
@@ -89,7 +90,6 @@ keep /tmp/r1 off16k
 run opt16k 150 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" \
   operators.optimizer_offload=true "${three[@]}" --run-dir /tmp/r1
 keep /tmp/r1 opt16k
-run off430k 200 "${plan[@]}" h200-1 data.seq_len=430000 "${off[@]}" "${unbounded[@]}" --check
 run moe16k 150 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" \
   operators.moe_dispatch=pipelined "${three[@]}" --run-dir /tmp/r1
 keep /tmp/r1 moe16k
