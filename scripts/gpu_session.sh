@@ -79,6 +79,30 @@ dump_step() {  # dump_step NAME OVERRIDES...: plan --check of h200-1, the step's
   mkdir -p "/tmp/pick-$name" && cp /tmp/dump-$name/*after_optimizations-{live-range,memory-usage-report,buffer-assignment}.txt \
     "/tmp/pick-$name/" 2>/dev/null
   tar -czf "$LOGS/xla_dump_$name.tgz" -C /tmp "pick-$name"; rm -rf "/tmp/dump-$name" "/tmp/pick-$name"; }
+# An H200's compile on an H100 (STAGES=h100): XLA:GPU's scheduler and rematerialization plan
+# against GetSchedulerMemoryLimit (xla/service/gpu/gpu_hlo_schedule.cc), (the module's device
+# memory - its arguments and outputs) x the slop factor, where the module's device memory is
+# the allocator's limit. With the allocator's limit set to the H200's (132.8 GiB: the fraction
+# of this card's memory that makes it; no preallocation, so nothing past the card is taken)
+# the compile sees the H200's limit; what else of the card enters the compile (its bandwidth
+# in the cost model, the autotuner's scratch) the 443,720 stage checks against the H200's own
+# compile of the same program (109.19 GiB, xla_gpu_live_ranges_h200-1_off443k_20261202.tgz).
+emulate_h200() {
+  local limit; limit=$(XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 \
+    python3 -c "import jax; print(jax.devices()[0].memory_stats()['bytes_limit'])")
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(f'{132.8 * 2**30 * 0.95 / $limit:.6f}')")
+  echo "=== this card's limit at 0.95: $limit B; the H200's 132.8 GiB at $XLA_PYTHON_CLIENT_MEM_FRACTION"
+}
+if [ "${STAGES:-h200}" = h100 ]; then
+  emulate_h200
+  dump_step emu443k data.seq_len=443720 "${off[@]}" "${unbounded[@]}"
+  dump_step emu416k data.seq_len=416768 "${off[@]}" "${unbounded[@]}"
+  dump_step emu262k data.seq_len=262144 "${off[@]}" "${unbounded[@]}"
+  dump_step emu378k data.seq_len=378176 "${off[@]}" "${unbounded[@]}"
+  dump_step emu430k data.seq_len=430000 "${off[@]}" "${unbounded[@]}"
+  echo "=== all done $(date -Is)"; exit 0
+fi
 dump_step off416k data.seq_len=416768 "${off[@]}" "${unbounded[@]}"
 dump_step off262k data.seq_len=262144 "${off[@]}" "${unbounded[@]}"
 dump_step off378k data.seq_len=378176 "${off[@]}" "${unbounded[@]}"
