@@ -9,8 +9,8 @@ them the one with the shortest estimated step (``plan.rates.step_seconds``), tie
 fewest operators on. Where the standard stack fits, that is all off: nothing is paid for. Where
 none fits, it is the setting with the smallest peak (ties going to the most operators on), and
 the fit check that follows refuses the run with its table of terms. That is mostly every
-``auto`` operator on; it can be the standard stack, whose step past the device's memory is
-counted as XLA:GPU was measured to schedule it (``plan.programs.step_terms``; h200-1 at 1M
+``auto`` operator on; it can be the standard stack, whose step is counted as XLA:GPU was
+measured to schedule it (``plan.programs.step_terms``; h200-1 at 1M
 tokens: 199.8 GiB against 204.1 with all four on), and the reason says which. With the device's
 memory unknown, nothing binds: all off.
 
@@ -48,9 +48,8 @@ def capable_variants(config: Config) -> list[Config]:
     of its settings, and every ``auto`` operator off. With memory to spare, every setting
     ``choose_operators`` could take at a context that fits is at most as light as one of the
     first on both memories (h200-e2e: every boundary offloaded, the host binds at 388,072
-    tokens; none offloaded, the device at 427,790). Past the device's memory the standard
-    stack's step is counted as XLA:GPU schedules it there (``plan.programs.step_terms``) and
-    can be lighter than all of them (h200-1 with the optimizer's state resident: its largest,
+    tokens; none offloaded, the device at 427,790). The standard stack's step is counted as
+    XLA:GPU schedules it (``plan.programs.step_terms``) and at long contexts can be lighter than all of them (h200-1 with the optimizer's state resident: its largest,
     592,826, past theirs), so it is searched too. The largest context of these is the largest
     at which ``auto`` finds a setting that fits."""
     config, _ = resolve_host_cpu(config)

@@ -55,43 +55,31 @@ def program_bytes(terms: Sequence[Term]) -> dict[str, int]:
 def step_terms(config: Config, knobs: Knobs, *, platform: str,
                operators_on: bool = True) -> tuple[Term, ...]:
     """``plan_terms`` as XLA:GPU schedules the step: where it is the standard stack's step as
-    measured (``_pressure_measured``) and, so counted, is past the device's memory (the
-    allocator's limit the config names, ``device.memory_gib``: what XLA's compiler sees, not a
-    budget a run is held to), counted ``pressed``. XLA:GPU's scheduler orders for memory
-    against a limit below the device's (``GetSchedulerMemoryLimit`` in
-    ``xla/service/gpu/gpu_hlo_schedule.cc``: the module's device memory, else 80% of the
-    device's, less the program's arguments and outputs, times a slop factor) and past it
-    computes the dense FFN's weight gradients before the attention's backward, where with memory
-    to spare it computes them after: h200-1 all off held four ``[N, F_d]`` under the
-    attention's backward at 256K and none at 443,720, where the peak is the MoE layer's
-    (docs/plan.md, the fourth driver). Pressed, the MoE layer is counted as XLA:GPU's buffer
-    assignment at 443,720 holds it there too (``plan.terms``: two [M, H], three [M, F],
-    ``held_under_pressure``), and the closed form bounds XLA:GPU's plan at the contexts
-    measured past the device's memory (488K-665K: 1.01-1.05x); below it the rule does not apply
-    (at 64K with 64 segments the pressed count is 0.98x of the peak)."""
+    measured (``_standard_stack_measured``), counted as XLA:GPU's buffer assignments of h200-1
+    hold it (``plan_terms``' ``standard_step``): the MoE layer with two [M, H], three [M, F]
+    and ``held_through_attention`` through its attention's backward, and none of the dense
+    FFN's four ``[N, F_d]`` under the attention's backward. Every dump of today's step, at
+    262,144, 378,176, 416,768, 430,000 and 443,720 tokens, holds it so (docs/plan.md, the
+    twentieth driver), and so counted the plan is 1.014-1.054x every peak measured of today's
+    step, 16K-665K. The four ``[N, F_d]`` were held before the scanned backward's barrier
+    (2026-12-01; at 64K, 256K and 416,768), and the rule that counted them until the step so
+    counted passed the device's memory was 1.22x at 443,720."""
     terms = plan_terms(config, knobs, platform=platform, operators_on=operators_on)
-    memory = config.device.memory_gib
-    if platform != "gpu" or not memory or not _pressure_measured(config, knobs, operators_on):
+    if platform != "gpu" or not _standard_stack_measured(config, knobs, operators_on):
         return tuple(terms)
-    limit = int(memory * GIB)
-    unpressed = max(program_bytes(terms).values())
-    if unpressed <= limit:
-        return tuple(terms)
+    standard = plan_terms(config, knobs, platform=platform, operators_on=operators_on,
+                          standard_step=True)
     held = next((t.bytes for t in terms if t.name == "ffn.under_attention"), 0)
-    if not held:  # the peak layer is not the dense one: nothing of it to reorder
-        return tuple(terms)
-    pressed = plan_terms(config, knobs, platform=platform, operators_on=operators_on,
-                         pressed=True)
-    pressed.append(Term("ffn.under_attention", 0, "layer/attention",
-                        f"0 of 4 * N * F_d * b = {held / GIB:.2f} GiB: the step counted with it, "
-                        f"{unpressed / GIB:.2f} GiB, is past the device's {memory:g} GiB, where "
-                        f"XLA:GPU computes the dense FFN's weight gradients before the "
-                        f"attention's backward (plan.programs.step_terms; measured on h200-1, "
-                        f"one H200)"))
-    return tuple(pressed)
+    if held:
+        standard.append(Term("ffn.under_attention", 0, "layer/attention",
+                             f"0 of 4 * N * F_d * b = {held / GIB:.2f} GiB: the standard "
+                             f"stack's step holds none of them under the attention's backward "
+                             f"(plan.programs.step_terms; XLA:GPU's buffer assignments of "
+                             f"h200-1 at 262,144-443,720 tokens)"))
+    return tuple(standard)
 
 
-def _pressure_measured(config: Config, knobs: Knobs, operators_on: bool) -> bool:
+def _standard_stack_measured(config: Config, knobs: Knobs, operators_on: bool) -> bool:
     """Whether the step is of the kind ``step_terms``' rule was measured on: the standard
     stack's (EP, the materialized loss, no boundary offloaded, AdamW on the device; a host
     budget for the boundaries excluded whatever it takes, so that the rule does not switch on

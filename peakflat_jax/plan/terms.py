@@ -76,10 +76,11 @@ MEMORY_FORMULAS: dict[str, str] = {
     "ffn_gpu": "5 * N * F_d * b on a GPU: the recomputed gate and up, their product and two "
                "cotangents, in the model's dtype (XLA:GPU's buffer assignment at 64K and 256K)",
     "ffn.under_attention": "4 * N * F_d * b on a GPU: four of them live through the attention's "
-                           "backward (XLA:GPU runs the FFN's weight gradients after it, unless "
-                           "the standard stack's step so counted is past the device's memory: "
-                           "plan.programs.step_terms); none where SCO offloads a boundary, "
-                           "whose FFN backward computes them first "
+                           "backward, where XLA:GPU runs the FFN's weight gradients after it "
+                           "(seen before the scanned backward's barrier, 2026-12-01); not in "
+                           "the standard stack's step as counted by plan.programs.step_terms, "
+                           "whose dumps at 262K-443K hold none; none where SCO offloads a "
+                           "boundary, whose FFN backward computes them first "
                            "(model.layers.weight_gradients_first)",
     "moe.dispatch_gpu": "4 * M * H * b on one GPU in one chunk (EP): the rows of width H that "
                         "XLA:GPU holds at once in the layer's backward (its buffer assignments "
@@ -93,25 +94,23 @@ MEMORY_FORMULAS: dict[str, str] = {
                                   "buffer assignments of h200-e2e's unrolled step at 533,994 "
                                   "and 741,848 tokens: at most four [M, H]; scanned at 684,042 "
                                   "too, where the plan keeps nine: docs/plan.md)",
-    "moe.dispatch_gpu_pressed": "2 * M * H * b on one GPU in one chunk (EP), the standard stack's "
-                                "step pressed (plan.programs.step_terms): past the device's "
-                                "memory XLA:GPU holds at most two [M, H] at once, the dispatched "
-                                "rows and the down projection's output (measured: its buffer "
-                                "assignment of h200-1 all off at 443,720 tokens: two at most "
-                                "over its 1014 steps; two at 256K, four only at 64K)",
-    "moe.expert_ffn_gpu_pressed": "3 * M * F * b on one GPU in one chunk (EP), the step pressed: "
-                                  "at most three [M, F] at once, the gate, the up projection "
-                                  "and their product (measured: the same buffer assignment at "
-                                  "443,720 tokens)",
-    "held_under_pressure": "2 * N * H * b + N * V' * 4 + N * D * 4 on one GPU, the standard "
-                           "stack's step pressed: what XLA:GPU holds through a MoE layer's "
-                           "backward that no other term names: the MoE stack's output and a "
-                           "fifth [N, H] of the layer (model dtype), the materialized loss's "
-                           "fp32 [N, V'] (from the loss's forward until the MoE stack's "
-                           "backward ends) and RoPE's fp32 cos and sin [N, D / 2] (measured: "
-                           "all live at XLA's peak, a MoE layer's attention backward, in its "
-                           "buffer assignment of h200-1 all off at 443,720 tokens, V' = 260; "
-                           "counted only pressed)",
+    "moe.dispatch_gpu_standard": "2 * M * H * b on one GPU in one chunk (EP), the standard stack's "
+                               "step (plan.programs.step_terms): at most two "
+                               "[M, H] at once, the dispatched rows and the down projection's "
+                               "output (measured: XLA:GPU's buffer assignments of h200-1 all "
+                               "off at 262,144-443,720 tokens: two at most over each schedule)",
+    "moe.expert_ffn_gpu_standard": "3 * M * F * b on one GPU in one chunk (EP), the standard stack's "
+                                 "step: at most three [M, F] at once, the gate, the up "
+                                 "projection and their product (the same buffer assignments)",
+    "held_through_attention": "2 * N * H * b + N * V' * 4 + N * D * 4 on one GPU, the standard "
+                              "stack's step: what XLA:GPU holds through a MoE "
+                              "layer's attention backward that no other term names: the MoE "
+                              "stack's output and a fifth [N, H] of the layer (model dtype), "
+                              "the materialized loss's fp32 [N, V'] (from the loss's forward "
+                              "until the MoE stack's backward ends) and RoPE's fp32 cos and sin "
+                              "[N, D / 2] (measured: all live at XLA's peak, a MoE layer's "
+                              "attention backward, in its buffer assignment of h200-1 all off "
+                              "at 443,720 tokens, V' = 260)",
     "runtime_gpu": "6.25 GiB scanned, 6.5 unrolled, + 0.035 * pool, on a GPU: the trainer "
                    "process's Python, jax, CUDA, cuDNN and compiled programs, and what grows "
                    "with the pinned-host pool (fitted to nine H200 runs: plan.host_pool)",
@@ -365,15 +364,15 @@ class Term:
 
 
 def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
-               operators_on: bool = True, pressed: bool = False) -> list[Term]:
+               operators_on: bool = True, standard_step: bool = False) -> list[Term]:
     """Every term of the step's per-device bound (device and host) for ``knobs``, with the
     operators as the knobs set them (``operators_on``) or all four off (the baseline: EP in one
-    chunk, the materialized loss, no offload, the optimizer on the device). ``pressed``: as
-    XLA:GPU schedules a program past the device's memory (``plan.programs.step_terms`` says
-    when and adds the term it leaves out): the dense FFN's buffers are not held under the
-    attention's backward, and the MoE layer (EP, one chunk, one GPU) holds two [M, H] and
-    three [M, F] and, through its attention's backward, ``held_under_pressure`` (h200-1's
-    buffer assignment at 443,720 tokens)."""
+    chunk, the materialized loss, no offload, the optimizer on the device). ``standard_step``: the
+    standard stack's step as XLA:GPU's buffer assignments of h200-1 hold it at every context
+    dumped since the scanned backward's barrier (262K-443K; ``plan.programs.step_terms`` says
+    where it applies): none of the dense FFN's buffers under the attention's backward, and
+    the MoE layer (EP, one chunk, one GPU) holding two [M, H] and three [M, F], and
+    ``held_through_attention`` through its attention's backward."""
     model = config.model
     width = knobs.num_devices
     weights = model_weights(model, width)
@@ -436,7 +435,7 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
     # after every MoE layer's has freed its boundary: only the dense stack's are left).
     layer, at_layer, first_forward = _layer_terms(config, knobs, platform, weights,
                                                   layer_sets, kept, loop == "unrolled",
-                                                  pressed)
+                                                  standard_step)
     if sum(kept.values()) > at_layer:
         add("kept_boundaries", at_layer, "boundaries",
             MEMORY_FORMULAS["kept_boundaries.dense_stack"])
@@ -612,7 +611,8 @@ def _pool_growth(config: Config, pinned: list[int]) -> int:
 
 def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightBytes,
                  layer_sets: dict, kept_by_stack: dict, unrolled: bool,
-                 pressed: bool = False) -> tuple[list[tuple[str, int, str, str]], int, int]:
+                 standard_step: bool = False
+                 ) -> tuple[list[tuple[str, int, str, str]], int, int]:
     """(name, bytes, live, formula) of the largest layer's recompute and backward, the kept
     boundaries live in its backward, and the dense layer's forward on a GPU
     (``_first_layer_forward``; else 0). ``kept_by_stack``: each stack's kept boundaries.
@@ -624,8 +624,7 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
     what the whole layer holds (its saved activations and weights); what one sub-phase keeps
     through the other is a term of that other (on a GPU, ``ffn.under_attention``: the dense
     FFN's buffers that XLA:GPU keeps through the attention's backward where memory allows).
-    ``pressed``: as XLA:GPU schedules the standard stack's step past the device's memory (no
-    ``ffn.under_attention``; the MoE layer's pressed counts and ``held_under_pressure``)."""
+    ``standard_step``: the standard stack's step as XLA:GPU holds it (``plan_terms``)."""
     model = config.model
     itemsize = jnp.dtype(model.dtype).itemsize
     n, h = knobs.tokens_per_device, model.hidden
@@ -665,13 +664,13 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
         if kind == "dense" and platform == "gpu":
             # XLA:GPU's buffer assignment (h200-1 at 64K and 256K, docs/plan.md): at most five
             # bf16 [N, F_d] buffers, four of them live under the attention's backward where
-            # XLA:GPU computes the FFN's weight gradients last. None there when pressed
-            # (plan.programs.step_terms), nor where SCO offloads a boundary: the FFN's backward
-            # then hands out its input's cotangent only with its weight gradients
-            # (model.layers.weight_gradients_first).
+            # XLA:GPU computes the FFN's weight gradients last. None where SCO offloads a
+            # boundary: the FFN's backward then hands out its input's cotangent only with its
+            # weight gradients (model.layers.weight_gradients_first); none in the standard
+            # stack's step as measured (plan.programs.step_terms takes the term out there).
             ffn = n * model.dense_ffn * itemsize
             terms.append(("ffn", 5 * ffn, "layer/ffn", MEMORY_FORMULAS["ffn_gpu"]))
-            if not pressed and not any(knobs.offload):
+            if not any(knobs.offload) and not standard_step:
                 terms.append(("ffn.under_attention", 4 * ffn, "layer/attention",
                               MEMORY_FORMULAS["ffn.under_attention"]))
         elif kind == "dense":
@@ -690,25 +689,24 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
                 # docs/plan.md). With devices to exchange with, the send buckets and arrivals
                 # are real and unmeasured: the operator's terms stay.
                 rows = model.top_k * n  # M on one device
-                if pressed:
-                    # Past the device's memory (plan.programs.step_terms), XLA:GPU's buffer
-                    # assignment of h200-1 all off at 443,720 tokens
-                    # (scripts/results/xla_gpu_live_ranges_h200-1_off443k_20261202.tgz,
-                    # docs/plan.md) holds at most 2 [M, H] and 3 [M, F] at any step, and
-                    # its peak is a MoE layer's attention backward, through which it holds
-                    # the buffers of held_under_pressure. Only pressed: with memory to spare
-                    # it held four [M, H] (64K) and four [M, F] (256K), and for a real
+                if standard_step:
+                    # XLA:GPU's buffer assignments of h200-1 all off at 262,144-443,720 tokens
+                    # (scripts/results/xla_gpu_live_ranges_h200-1_off443k_20261202.tgz and
+                    # xla_gpu_live_ranges_h200-1_off262k-443k_h100_as_h200_20261205.tgz,
+                    # docs/plan.md) hold at most 2 [M, H] and 3 [M, F] at any step, and the
+                    # peak is a MoE layer's attention backward, through which they hold the
+                    # buffers of held_through_attention. Measured with V' = 260: for a real
                     # vocabulary N V' 4 would be most of the step, measured nowhere.
                     shard_vocab = (mop.padded_vocab(model.vocab_size, knobs.num_devices)
                                    // knobs.num_devices)
                     moe["dispatch"] = 2 * rows * h * itemsize
                     moe["expert_ffn"] = 3 * rows * model.expert_ffn * itemsize
                     formulas = {**formulas,
-                                "dispatch": MEMORY_FORMULAS["moe.dispatch_gpu_pressed"],
-                                "expert_ffn": MEMORY_FORMULAS["moe.expert_ffn_gpu_pressed"]}
-                    terms.append(("held_under_pressure",
+                                "dispatch": MEMORY_FORMULAS["moe.dispatch_gpu_standard"],
+                                "expert_ffn": MEMORY_FORMULAS["moe.expert_ffn_gpu_standard"]}
+                    terms.append(("held_through_attention",
                                   2 * n * h * itemsize + n * shard_vocab * 4 + n * d * 4,
-                                  "layer", MEMORY_FORMULAS["held_under_pressure"]))
+                                  "layer", MEMORY_FORMULAS["held_through_attention"]))
                 else:
                     moe["dispatch"] = 4 * rows * h * itemsize
                     moe["expert_ffn"] = 4 * rows * model.expert_ffn * itemsize
