@@ -29,16 +29,11 @@
 # A stage that lifts the device check (train.device_memory_gib) pins optimizer.resident_groups:
 # left null, the planner would keep every group on a device it believes is 1 PB.
 #
-# What each stage answers (the program of e5e55e4). The nineteenth driver (2026-12-05 07:15) ran
-# the 16K sweep on an H100 the device tool gave for nvidia-h200; six calls for an H200 then found
-# none. This one asks for an H200 (needs_h200: the standard stack's step at 262K-430K is 88-130
-# GiB):
-#   off416k, off262k, off378k, off430k   issue 25: h200-1's standard stack compiled (plan --check)
-#             with XLA:GPU's dumps of its step. 262K-416K were measured only before the scanned
-#             backward's barrier (2026-12-01 22:05), when XLA held the dense FFN's four [N, F_d]
-#             under the attention's backward; 443,720, after it, held none. Whether today's
-#             program holds them below 443,720 decides the standard stack's rule
-#             (plan.programs.step_terms) (~1.5 min each)
+# What each stage answers (the program of c29268e):
+#   STAGES=h100 (nvidia-h100-x1; ran 2026-12-05 12:34, h100_session_gpu_20261205-123444.json)
+#             emu443k, emu416k, emu262k, emu378k, emu430k: h200-1's standard stack compiled
+#             with XLA:GPU's dumps of its step against the H200's scheduler limit (below)
+#   default (nvidia-h200, needs_h200):
 #   on16k, off16k, opt16k, moe16k, loss16k, sco16k
 #             issue 25's sweep at 16K again on the H200: on the H100 machine the host plan,
 #             whose runtime term is the H200 machine's, was 1.9-2.4 GiB over each VmHWM
@@ -103,10 +98,6 @@ if [ "${STAGES:-h200}" = h100 ]; then
   dump_step emu430k data.seq_len=430000 "${off[@]}" "${unbounded[@]}"
   echo "=== all done $(date -Is)"; exit 0
 fi
-dump_step off416k data.seq_len=416768 "${off[@]}" "${unbounded[@]}"
-dump_step off262k data.seq_len=262144 "${off[@]}" "${unbounded[@]}"
-dump_step off378k data.seq_len=378176 "${off[@]}" "${unbounded[@]}"
-dump_step off430k data.seq_len=430000 "${off[@]}" "${unbounded[@]}"
 run on16k 180 "${train[@]}" h200-1 data.seq_len=16384 "${on[@]}" "${three[@]}" --run-dir /tmp/r1
 keep /tmp/r1 on16k
 run off16k 150 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" "${three[@]}" --run-dir /tmp/r1
