@@ -49,8 +49,9 @@ def capable_variants(config: Config) -> list[Config]:
     ``choose_operators`` could take at a context that fits is at most as light as one of the
     first on both memories (h200-e2e: every boundary offloaded, the host binds at 388,072
     tokens; none offloaded, the device at 427,790). The standard stack's step is counted as
-    XLA:GPU schedules it (``plan.programs.step_terms``) and at long contexts can be lighter than all of them (h200-1 with the optimizer's state resident: its largest,
-    592,826, past theirs), so it is searched too. The largest context of these is the largest
+    XLA:GPU schedules it (``plan.programs.step_terms``) and at long contexts can be lighter
+    than all of them (h200-1 with the optimizer's state resident: its largest, 592,826, past
+    theirs), so it is searched too. The largest context of these is the largest
     at which ``auto`` finds a setting that fits."""
     config, _ = resolve_host_cpu(config)
     auto = config.operators.chosen_by_planner

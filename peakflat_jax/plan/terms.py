@@ -94,17 +94,19 @@ MEMORY_FORMULAS: dict[str, str] = {
                                   "buffer assignments of h200-e2e's unrolled step at 533,994 "
                                   "and 741,848 tokens: at most four [M, H]; scanned at 684,042 "
                                   "too, where the plan keeps nine: docs/plan.md)",
-    "moe.dispatch_gpu_standard": "2 * M * H * b on one GPU in one chunk (EP), the standard stack's "
-                               "step (plan.programs.step_terms): at most two "
-                               "[M, H] at once, the dispatched rows and the down projection's "
-                               "output (measured: XLA:GPU's buffer assignments of h200-1 all "
-                               "off at 262,144-443,720 tokens: two at most over each schedule)",
-    "moe.expert_ffn_gpu_standard": "3 * M * F * b on one GPU in one chunk (EP), the standard stack's "
-                                 "step: at most three [M, F] at once, the gate, the up "
-                                 "projection and their product (the same buffer assignments)",
+    "moe.dispatch_gpu_standard": "2 * M * H * b on one GPU in one chunk (EP), the standard "
+                                 "stack's step (plan.programs.step_terms): at most two [M, H] "
+                                 "at once, the dispatched rows and the down projection's "
+                                 "output (measured: XLA:GPU's buffer assignments of h200-1 "
+                                 "all off at 262,144-443,720 tokens: two at most over each "
+                                 "schedule)",
+    "moe.expert_ffn_gpu_standard": "3 * M * F * b on one GPU in one chunk (EP), the standard "
+                                   "stack's step: at most three [M, F] at once, the gate, the "
+                                   "up projection and their product (the same buffer "
+                                   "assignments)",
     "held_through_attention": "2 * N * H * b + N * V' * 4 + N * D * 4 on one GPU, the standard "
-                              "stack's step: what XLA:GPU holds through a MoE "
-                              "layer's attention backward that no other term names: the MoE "
+                              "stack's step: what XLA:GPU holds through a MoE layer's "
+                              "attention backward that no other term names: the MoE "
                               "stack's output and a fifth [N, H] of the layer (model dtype), "
                               "the materialized loss's fp32 [N, V'] (from the loss's forward "
                               "until the MoE stack's backward ends) and RoPE's fp32 cos and sin "
