@@ -89,6 +89,13 @@ emulate_h200() {
   export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(f'{132.8 * 2**30 * 0.95 / $limit:.6f}')")
   echo "=== this card's limit at 0.95: $limit B; the H200's 132.8 GiB at $XLA_PYTHON_CLIENT_MEM_FRACTION"
 }
+if [ "${STAGES:-h200}" = h100b ]; then  # after review: 64 segments, 128K, and 621,208, where
+  emulate_h200                          # the H200's limit binds (its compile: 130.25 GiB)
+  dump_step emu64k_seg64 data.seq_len=65536 data.max_segments=64 "${off[@]}" "${unbounded[@]}"
+  dump_step emu128k data.seq_len=131072 "${off[@]}" "${unbounded[@]}"
+  dump_step emu621k data.seq_len=621208 "${off[@]}" "${unbounded[@]}"
+  echo "=== all done $(date -Is)"; exit 0
+fi
 if [ "${STAGES:-h200}" = h100 ]; then
   emulate_h200
   dump_step emu443k data.seq_len=443720 "${off[@]}" "${unbounded[@]}"
