@@ -639,27 +639,13 @@ STANDARD_DUMPS = RESULTS / "xla_gpu_live_ranges_h200-1_off262k-443k_h100_as_h200
 H200's allocator limit (h100_session_gpu_20261205-123444.json)."""
 
 
-def _standard_dump(archive: pathlib.Path, folder: str, into: pathlib.Path):
-    """(values, schedule, ranges, bytes in use after each step) of the train step dumped in
-    ``folder`` of ``archive``, read with scripts/xla_live_set.py."""
-    script = load_script("xla_live_set")
-    with tarfile.open(archive) as opened:
-        opened.extractall(into, filter="data",
-                          members=[m for m in opened.getmembers() if m.name.startswith(folder)])
-    (buffers,) = into.glob(f"{folder}/*train_step*buffer-assignment.txt")
-    (live_ranges,) = into.glob(f"{folder}/*train_step*live-range.txt")
-    values, _, _ = script.read_buffers(buffers)
-    schedule, ranges = script.read_live_ranges(live_ranges)
-    return values, schedule, ranges, script.usage(values, ranges, len(schedule))
-
-
-def _standard_total(archive: pathlib.Path, folder: str, into: pathlib.Path) -> int:
-    """XLA's total allocation in the memory-usage report of ``folder``'s train step."""
-    with tarfile.open(archive) as opened:
-        opened.extractall(into, filter="data",
-                          members=[m for m in opened.getmembers() if m.name.startswith(folder)])
-    (report,) = into.glob(f"{folder}/*train_step*memory-usage-report.txt")
-    return int(re.search(r"Total bytes: (\d+)", report.read_text()).group(1))
+def _standard_dump(archive: pathlib.Path, folder: str, tmp_path):
+    """(values, schedule, ranges, bytes in use after each step, XLA's total allocation) of the
+    train step dumped in ``folder`` of ``archive`` (``_read_dump``)."""
+    script, values, _, schedule, ranges = _read_dump(archive, "train_step", tmp_path, folder)
+    (report,) = (tmp_path / folder).glob("*train_step*memory-usage-report.txt")
+    total = int(re.search(r"Total bytes: (\d+)", report.read_text()).group(1))
+    return values, schedule, ranges, script.usage(values, ranges, len(schedule)), total
 
 
 def test_the_h100_compiles_as_the_h200_with_its_limit(tmp_path):
@@ -670,9 +656,8 @@ def test_the_h100_compiles_as_the_h200_with_its_limit(tmp_path):
     use, at the same instruction."""
     h200 = _standard_dump(OFF_443K, "pick-off443k", tmp_path)
     h100 = _standard_dump(STANDARD_DUMPS, "pick-emu443k", tmp_path)
-    assert abs(_standard_total(OFF_443K, "pick-off443k", tmp_path)
-               - _standard_total(STANDARD_DUMPS, "pick-emu443k", tmp_path)) <= 8192
-    peaks = [max(range(len(schedule)), key=used.__getitem__) for _, schedule, _, used in
+    assert abs(h200[4] - h100[4]) <= 8192
+    peaks = [max(range(len(schedule)), key=used.__getitem__) for _, schedule, _, used, _ in
              (h200, h100)]
     assert abs(h200[3][peaks[0]] - h100[3][peaks[1]]) <= 8192
     assert h200[1][peaks[0]] == h100[1][peaks[1]] == "dot_product_attention_bwd.0"
@@ -702,7 +687,7 @@ def test_the_standard_step_follows_xla_s_dumps(tmp_path, archive, folder, contex
     from peakflat_jax.plan.terms import phase_total
 
     script = load_script("xla_live_set")
-    values, schedule, ranges, used = _standard_dump(archive, folder, tmp_path)
+    values, schedule, ranges, used, _ = _standard_dump(archive, folder, tmp_path)
 
     def live(step):
         """The values live after ``step``, each allocation's bytes once."""
@@ -1152,14 +1137,15 @@ def test_the_plan_bounds_the_drivers_compiles(record, run, config, overrides, pr
     assert xla <= plan.programs[program] <= 1.2 * xla
 
 
-def _read_dump(archive: pathlib.Path, module: str, tmp_path):
-    """scripts/xla_live_set.py, and what it reads of ``module`` in a dump's archive: its
-    values, allocations, schedule and live ranges."""
+def _read_dump(archive: pathlib.Path, module: str, tmp_path, folder: str = ""):
+    """scripts/xla_live_set.py, and what it reads of ``module`` in a dump's archive (under
+    ``folder`` of it, where it holds several): its values, allocations, schedule and live
+    ranges."""
     script = load_script("xla_live_set")
     with tarfile.open(archive) as opened:
         opened.extractall(tmp_path, filter="data")
-    (buffers,) = tmp_path.rglob(f"*{module}*buffer-assignment.txt")
-    (live_ranges,) = tmp_path.rglob(f"*{module}*live-range.txt")
+    (buffers,) = (tmp_path / folder).rglob(f"*{module}*buffer-assignment.txt")
+    (live_ranges,) = (tmp_path / folder).rglob(f"*{module}*live-range.txt")
     values, allocations, _ = script.read_buffers(buffers)
     schedule, ranges = script.read_live_ranges(live_ranges)
     return script, values, allocations, schedule, ranges
