@@ -98,8 +98,9 @@ MEMORY_FORMULAS: dict[str, str] = {
                                  "stack's step (plan.programs.step_terms): at most two [M, H] "
                                  "at once, the dispatched rows and the down projection's "
                                  "output (measured: XLA:GPU's buffer assignments of h200-1 "
-                                 "all off at 262,144-443,720 tokens: two at most over each "
-                                 "schedule)",
+                                 "all off at 131,072-621,208 tokens: two at most over each "
+                                 "schedule; at 65,536 with 64 segments a third at one fusion, "
+                                 "which the phase's other terms cover)",
     "moe.expert_ffn_gpu_standard": "3 * M * F * b on one GPU in one chunk (EP), the standard "
                                    "stack's step: at most three [M, F] at once, the gate, the "
                                    "up projection and their product (the same buffer "
