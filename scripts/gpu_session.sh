@@ -33,7 +33,8 @@
 #   STAGES=h100 (nvidia-h100-x1; ran 2026-12-05 12:34, h100_session_gpu_20261205-123444.json)
 #             emu443k, emu416k, emu262k, emu378k, emu430k: h200-1's standard stack compiled
 #             with XLA:GPU's dumps of its step against the H200's scheduler limit (below)
-#   STAGES=h100b (not yet run): the same at 64K with 64 segments, 128K and 621,208
+#   STAGES=h100b (ran 2026-12-05 16:22, h100_session_gpu_20261205-162214.json): the same at 64K
+#             with 64 segments, 128K and 621,208
 #   default (nvidia-h200, needs_h200):
 #   on16k, off16k, opt16k, moe16k, loss16k, sco16k
 #             issue 25's sweep at 16K again on the H200: on the H100 machine the host plan,
@@ -41,7 +42,8 @@
 #             (1.36-1.63x) (~1 min each)
 #   on16k_r0  the four on at 16K, every group streamed, compiled: 2026-12-01's 16K point was of
 #             a program no longer built
-#   h200_64k_seg64, h200_128k, h200_621k  h100b's compiles on the H200 itself (~2 min each)
+#   h200_621k the standard stack's step at 621,208 on the H200 itself, with its dumps: h100b's
+#             emulated compile matched the H200's total there (130.245 GiB), not yet its schedule
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -128,5 +130,5 @@ run sco16k 150 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" operators.off
 keep /tmp/r1 sco16k
 run on16k_r0 150 "${plan[@]}" h200-1 data.seq_len=16384 "${on[@]}" operators.layer_loop=unrolled \
   optimizer.resident_groups=0 --check
-standard_step_dumps h200_
+dump_step h200_621k data.seq_len=621208 "${off[@]}" "${unbounded[@]}"
 echo "=== all done $(date -Is)"
