@@ -86,7 +86,7 @@ dump_step() {  # dump_step NAME OVERRIDES...: plan --check of h200-1, the step's
 # the compile sees the H200's limit. The rest of the card (its bandwidth in the cost model, the
 # autotuner's scratch on the real 80 GB) still enters; at 443,720, where the H200's limit does
 # not bind, the compile matched the H200's own to 5 KB at its peak (docs/plan.md, the
-# twentieth driver), and h100b's 621,208 would check it where the limit binds.
+# twentieth driver), and where it binds, at 621,208, the total matched the H200's to the MB.
 emulate_h200() {
   local limit; limit=$(XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 \
     python3 -c "import jax; print(jax.devices()[0].memory_stats()['bytes_limit'])")
