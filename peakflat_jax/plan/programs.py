@@ -59,12 +59,13 @@ def step_terms(config: Config, knobs: Knobs, *, platform: str,
     measured (``_standard_stack_measured``), counted as XLA:GPU's buffer assignments of h200-1
     hold it (``plan_terms``' ``standard_step``): the MoE layer with two [M, H], three [M, F]
     and ``held_through_attention`` through its attention's backward, and none of the dense
-    FFN's four ``[N, F_d]`` under the attention's backward. Every dump of today's step, at
-    262,144, 378,176, 416,768, 430,000 and 443,720 tokens, holds it so (docs/plan.md, the
-    twentieth driver), and so counted the plan is 1.014-1.054x every peak measured of today's
-    step, 16K-665K. The four ``[N, F_d]`` were held before the scanned backward's barrier
-    (2026-12-01: its dumps at 64K and 256K), and the rule that counted them until the step so
-    counted passed the device's memory was 1.22x at 443,720."""
+    FFN's four ``[N, F_d]`` under the attention's backward. Every dump of today's step, from
+    65,536 tokens with 64 segments to 621,208, holds none of the four, and two [M, H] at most
+    but at one fusion at 64 segments, which the FFN phase covers (docs/plan.md, the twentieth
+    and twenty-first drivers); so counted the plan is 1.014-1.054x every peak measured of
+    today's step, 16K-665K. The four ``[N, F_d]`` were held before the scanned backward's
+    barrier (2026-12-01: its dumps at 64K and 256K), and the rule that counted them until the
+    step so counted passed the device's memory was 1.22x at 443,720."""
     terms = plan_terms(config, knobs, platform=platform, operators_on=operators_on)
     if platform != "gpu" or not _standard_stack_measured(config, knobs, operators_on):
         return tuple(terms)
@@ -76,7 +77,7 @@ def step_terms(config: Config, knobs: Knobs, *, platform: str,
                              f"0 of 4 * N * F_d * b = {held / GIB:.2f} GiB: the standard "
                              f"stack's step holds none of them under the attention's backward "
                              f"(plan.programs.step_terms; XLA:GPU's buffer assignments of "
-                             f"h200-1 at 262,144-443,720 tokens)"))
+                             f"h200-1 at 65,536-621,208 tokens)"))
     return tuple(standard)
 
 

@@ -693,12 +693,13 @@ def _layer_terms(config: Config, knobs: Knobs, platform: str, weights: WeightByt
                 # are real and unmeasured: the operator's terms stay.
                 rows = model.top_k * n  # M on one device
                 if standard_step:
-                    # XLA:GPU's buffer assignments of h200-1 all off at 262,144-443,720 tokens
+                    # XLA:GPU's buffer assignments of h200-1 all off at 65,536-621,208 tokens
                     # (scripts/results/xla_gpu_live_ranges_h200-1_off443k_20261202.tgz and
-                    # xla_gpu_live_ranges_h200-1_off262k-443k_h100_as_h200_20261205.tgz,
-                    # docs/plan.md) hold at most 2 [M, H] and 3 [M, F] at any step, and the
-                    # peak is a MoE layer's attention backward, through which they hold the
-                    # buffers of held_through_attention. Measured with V' = 260: for a real
+                    # the two h100_as_h200 archives of 2026-12-05, docs/plan.md) hold at most
+                    # 2 [M, H] (3 at one fusion at 64 segments, under the FFN phase's total)
+                    # and 3 [M, F] at any step, and the peak is a MoE layer's attention
+                    # backward, through which they hold at most the buffers of
+                    # held_through_attention. Measured with V' = 260: for a real
                     # vocabulary N V' 4 would be most of the step, measured nowhere.
                     shard_vocab = (mop.padded_vocab(model.vocab_size, knobs.num_devices)
                                    // knobs.num_devices)
