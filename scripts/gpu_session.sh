@@ -42,8 +42,6 @@
 #             (1.36-1.63x) (~1 min each)
 #   on16k_r0  the four on at 16K, every group streamed, compiled: 2026-12-01's 16K point was of
 #             a program no longer built
-#   h200_621k the standard stack's step at 621,208 on the H200 itself, with its dumps: h100b's
-#             emulated compile matched the H200's total there (130.245 GiB), not yet its schedule
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -94,12 +92,6 @@ emulate_h200() {
   export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(f'{132.8 * 2**30 * 0.95 / $limit:.6f}')")
   echo "=== this card's limit at 0.95: $limit B; the H200's 132.8 GiB at $XLA_PYTHON_CLIENT_MEM_FRACTION"
 }
-standard_step_dumps() {  # standard_step_dumps PREFIX: h200-1's standard stack at the points
-  # measured before the scanned backward's barrier (64K with 64 segments, 128K) and at 621,208,
-  # where the H200's scheduler limit binds (its compile of 2026-12-02: 130.25 GiB)
-  dump_step "$1"64k_seg64 data.seq_len=65536 data.max_segments=64 "${off[@]}" "${unbounded[@]}"
-  dump_step "$1"128k data.seq_len=131072 "${off[@]}" "${unbounded[@]}"
-  dump_step "$1"621k data.seq_len=621208 "${off[@]}" "${unbounded[@]}"; }
 case "${STAGES:-h200}" in
   h100)   # issue 25: the standard stack's step at 262K-443K (ran 2026-12-05 12:34)
     emulate_h200
@@ -109,7 +101,10 @@ case "${STAGES:-h200}" in
     echo "=== all done $(date -Is)"; exit 0 ;;
   h100b)  # after review: 64 segments, 128K, and 621,208, where the H200's limit binds (its
           # compile: 130.25 GiB)
-    emulate_h200; standard_step_dumps emu
+    emulate_h200
+    dump_step emu64k_seg64 data.seq_len=65536 data.max_segments=64 "${off[@]}" "${unbounded[@]}"
+    dump_step emu128k data.seq_len=131072 "${off[@]}" "${unbounded[@]}"
+    dump_step emu621k data.seq_len=621208 "${off[@]}" "${unbounded[@]}"
     echo "=== all done $(date -Is)"; exit 0 ;;
 esac
 run on16k 180 "${train[@]}" h200-1 data.seq_len=16384 "${on[@]}" "${three[@]}" --run-dir /tmp/r1
@@ -130,5 +125,4 @@ run sco16k 150 "${train[@]}" h200-1 data.seq_len=16384 "${off[@]}" operators.off
 keep /tmp/r1 sco16k
 run on16k_r0 150 "${plan[@]}" h200-1 data.seq_len=16384 "${on[@]}" operators.layer_loop=unrolled \
   optimizer.resident_groups=0 --check
-dump_step h200_621k data.seq_len=621208 "${off[@]}" "${unbounded[@]}"
 echo "=== all done $(date -Is)"
