@@ -35,11 +35,12 @@
 #             with XLA:GPU's dumps of its step against the H200's scheduler limit (below)
 #   STAGES=h100b (ran 2026-12-05 16:22, h100_session_gpu_20261205-162214.json): the same at 64K
 #             with 64 segments, 128K and 621,208
-#   default (nvidia-h200, needs_h200):
+#   default (nvidia-h200, needs_h200; ran 2026-12-05 17:26 in 336 s,
+#   h200_session_gpu_20261205-172600.json):
 #   on16k, off16k, opt16k, moe16k, loss16k, sco16k
-#             issue 25's sweep at 16K again on the H200: on the H100 machine the host plan,
-#             whose runtime term is the H200 machine's, was 1.9-2.4 GiB over each VmHWM
-#             (1.36-1.63x) (~1 min each)
+#             issue 25's sweep at 16K on the H200: on the H100 machine the host plan, whose
+#             runtime term is the H200 machine's, was 1.36-1.63x of each VmHWM; here
+#             1.009-1.116x (~30-70 s each)
 #   on16k_r0  the four on at 16K, every group streamed, compiled: 2026-12-01's 16K point was of
 #             a program no longer built
 set -uo pipefail
