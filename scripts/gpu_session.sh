@@ -40,7 +40,7 @@
 #   on16k, off16k, opt16k, moe16k, loss16k, sco16k
 #             issue 25's sweep at 16K on the H200: on the H100 machine the host plan, whose
 #             runtime term is the H200 machine's, was 1.36-1.63x of each VmHWM; here
-#             1.009-1.116x (~30-70 s each)
+#             1.008-1.116x (~30-70 s each)
 #   on16k_r0  the four on at 16K, every group streamed, compiled: 2026-12-01's 16K point was of
 #             a program no longer built
 set -uo pipefail

@@ -79,7 +79,7 @@ MEMORY_FORMULAS: dict[str, str] = {
                            "backward, where XLA:GPU runs the FFN's weight gradients after it "
                            "(seen before the scanned backward's barrier, 2026-12-01); not in "
                            "the standard stack's step as counted by plan.programs.step_terms, "
-                           "whose dumps at 262K-443K hold none; none where SCO offloads a "
+                           "whose dumps at 64K-621K hold none; none where SCO offloads a "
                            "boundary, whose FFN backward computes them first "
                            "(model.layers.weight_gradients_first)",
     "moe.dispatch_gpu": "4 * M * H * b on one GPU in one chunk (EP): the rows of width H that "
@@ -372,10 +372,11 @@ def plan_terms(config: Config, knobs: Knobs, *, platform: str = "gpu",
     operators as the knobs set them (``operators_on``) or all four off (the baseline: EP in one
     chunk, the materialized loss, no offload, the optimizer on the device). ``standard_step``: the
     standard stack's step as XLA:GPU's buffer assignments of h200-1 hold it at every context
-    dumped since the scanned backward's barrier (262K-443K; ``plan.programs.step_terms`` says
+    dumped since the scanned backward's barrier (64K-621K; ``plan.programs.step_terms`` says
     where it applies): none of the dense FFN's buffers under the attention's backward, and
-    the MoE layer (EP, one chunk, one GPU) holding two [M, H] and three [M, F], and
-    ``held_through_attention`` through its attention's backward."""
+    the MoE layer (EP, one chunk, one GPU) holding two [M, H] (a third at one fusion at 64
+    segments, under the FFN phase's total) and three [M, F], and ``held_through_attention``
+    through its attention's backward."""
     model = config.model
     width = knobs.num_devices
     weights = model_weights(model, width)
