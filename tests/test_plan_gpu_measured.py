@@ -272,13 +272,19 @@ FINETUNED = pathlib.Path(__file__).resolve().parent / "data" / "hf_qwen3_moe_3b"
 (scripts/make_hf_checkpoint.py; its weights are not needed to plan)."""
 
 
-def _session_checked(run: str, program: str, record: pathlib.Path = SESSION) -> int:
-    """XLA's total for ``program`` in ``record``'s ``plan --check`` log of ``run``."""
+def _checked_columns(run: str, program: str, record: pathlib.Path = SESSION) -> list[float]:
+    """XLA's columns for ``program`` in ``record``'s ``plan --check`` log of ``run`` (GiB):
+    arguments + outputs - aliases, temporaries, total."""
     for line in json.loads(record.read_text())["runs"][run]["log_tail"]:
         fields = line.split()
         if len(fields) > 2 and fields[1] == program and line.count("|") == 2:
-            return int(float(line.split("|")[1].split()[-1]) * 2**30)
+            return [float(x) for x in line.split("|")[1].split()]
     raise AssertionError(f"{program} not in {run}'s log")
+
+
+def _session_checked(run: str, program: str, record: pathlib.Path = SESSION) -> int:
+    """XLA's total for ``program`` in ``record``'s ``plan --check`` log of ``run``."""
+    return int(_checked_columns(run, program, record)[-1] * 2**30)
 
 
 def _session_peak(run: str) -> int:
@@ -618,12 +624,12 @@ def test_the_plan_bounds_the_standard_stack_at_532k_and_621k(run, context):
     assert any(t.name == "ffn.under_attention" and t.bytes == 0 for t in plan.terms)
 
 
+EMULATION_1 = RESULTS / "h100_session_gpu_20261205-123444.json"
+EMULATION_2 = RESULTS / "h100_session_gpu_20261205-162214.json"
 EMULATED = {
     # the record's run: today's standard stack compiled on an H100 with the H200's limit
-    **{run: RESULTS / "h100_session_gpu_20261205-123444.json"
-       for run in ["emu262k", "emu378k", "emu416k", "emu430k", "emu443k"]},
-    **{run: RESULTS / "h100_session_gpu_20261205-162214.json"
-       for run in ["emu64k_seg64", "emu128k", "emu621k"]},
+    **{run: EMULATION_1 for run in ["emu262k", "emu378k", "emu416k", "emu430k", "emu443k"]},
+    **{run: EMULATION_2 for run in ["emu64k_seg64", "emu128k", "emu621k"]},
 }
 
 
@@ -700,9 +706,7 @@ def test_the_h100_compiles_as_the_h200_where_its_limit_binds():
     (STANDARD_DUMPS_2, h100_session_gpu_20261205-162214.json) planned what the H200's own
     compile of the same program planned (2026-12-02, 4e5ac10): 130.245 GiB, to the MB the
     records keep."""
-    record = json.loads((RESULTS / "h100_session_gpu_20261205-162214.json").read_text())
-    (line,) = [line for line in record["runs"]["emu621k"]["log_tail"] if " train_step " in line]
-    arguments, temporaries, total = (float(x) for x in line.split("|")[1].split())
+    arguments, temporaries, total = _checked_columns("emu621k", "train_step", EMULATION_2)
     assert temporaries > (132.8 - arguments) * 0.95
     assert abs(total - _session4_run("plan_check_off_621208")["xla_plan_gib"]) <= 0.001
 
