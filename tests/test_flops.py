@@ -102,16 +102,18 @@ def fake_mesh(kind: str, count: int = 1):
     return types.SimpleNamespace(devices=np.array([device] * count, dtype=object))
 
 
-def test_mfu_is_of_the_measured_matmul_rate_and_too_fast_a_step_warns():
+def test_mfu_is_of_the_vendor_peak_beside_the_measured_rate_and_too_fast_a_step_warns():
     config = ModelConfig(dtype="bfloat16")
     ids = np.ones((2, 64), np.int32)
     flops = size.model_flops(config, ids)
     throughput = metrics.Throughput(config, fake_mesh("NVIDIA H200", 2))
-    assert throughput.denominator == metrics.H200_MEASURED_BF16_MATMUL_FLOPS == 760e12
-    assert "measured dense bfloat16 matmul" in throughput.label
+    assert throughput.denominator == 989.4e12
+    assert "vendor's dense bfloat16 peak" in throughput.label
     record = throughput.step(ids, seconds=flops / 2 / 100e12)   # 100 TFLOP/s per device
     np.testing.assert_allclose(record["model_tflops_per_device"], 100.0, rtol=1e-12)
-    np.testing.assert_allclose(record["mfu"], 100e12 / 760e12, rtol=1e-12)
+    np.testing.assert_allclose(record["mfu"], 100e12 / 989.4e12, rtol=1e-12)
+    np.testing.assert_allclose(record["fraction_of_measured_matmul"], 100e12 / 760e12,
+                               rtol=1e-12)
     assert record["attention_pairs_fraction"] == 1.0
     assert throughput.warning() is None
     throughput.step(ids, seconds=flops / 2 / 800e12)            # above the measured rate
@@ -120,7 +122,8 @@ def test_mfu_is_of_the_measured_matmul_rate_and_too_fast_a_step_warns():
     assert throughput.warning() is None                          # once per run
     fields = throughput.summary_fields()
     assert fields["flops_convention"] == size.FLOPS_CONVENTION
-    assert fields["mfu_denominator_flops"] == 760e12
+    assert fields["mfu_denominator_flops"] == 989.4e12
+    assert "760 TFLOP/s" in fields["fraction_of_measured_matmul_denominator"]
 
 
 def test_without_a_measured_rate_mfu_is_of_the_labelled_vendor_peak():

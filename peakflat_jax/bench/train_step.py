@@ -55,6 +55,7 @@ def run_case(case: dict) -> dict:
     from peakflat_jax.config import load_config
     from peakflat_jax.model.size import model_flops
     from peakflat_jax.plan.host_pool import cap_from_plan
+    from peakflat_jax.train.metrics import device_memory_bytes, host_peak_resident_bytes
     from peakflat_jax.train.trainer import DoesNotFit, Trainer
 
     mode = case["mode"]
@@ -95,7 +96,8 @@ def run_case(case: dict) -> dict:
     return {**result, "step_s": median, "step_min_s": min(samples),
             "step_max_s": max(samples), "tokens_per_s": tokens / median,
             "model_tflops_per_device": tflops, "peak_bytes": harness.peak_bytes_over(
-                jax.local_devices()), "losses": losses}
+                jax.local_devices()), "host_peak_bytes": host_peak_resident_bytes(),
+            "limit_bytes": device_memory_bytes(), "losses": losses}
 
 
 def _parameter_count(params) -> int:

@@ -3,10 +3,11 @@ FLOP/s and MFU, and a progress bar.
 
 Model FLOP/s: each step's model FLOPs from the batch's own documents (``model.size``'s
 convention, ``FLOPS_CONVENTION``: attention over the causal pairs within documents, not over
-the whole sequence), over the step's time and the devices. MFU divides it by the device's
-measured dense matmul rate where one is known (``MEASURED_MATMUL_FLOPS``), else by the vendor's
-dense peak (``PEAK_FLOPS``); the summary names the denominator. Model FLOP/s above the measured
-matmul rate cannot be real (attention and the MoE run below it): the run warns.
+the whole sequence), over the step's time and the devices. MFU divides it by the vendor's dense
+peak (``PEAK_FLOPS``), the field's definition; beside it, labelled, the fraction of the device's
+measured dense matmul rate where one is known (``MEASURED_MATMUL_FLOPS``). The summary names
+both denominators. Model FLOP/s above the measured matmul rate cannot be real (attention and the
+MoE run below it): the run warns.
 
 Only process 0 writes. Peak device memory is the allocator's ``peak_bytes_in_use`` (GPUs; None
 where the backend keeps no statistics, as on CPU); host memory is this process's resident set.
@@ -59,12 +60,8 @@ def measured_matmul_flops(device, dtype: str) -> float | None:
 
 
 def mfu_denominator(device, dtype: str) -> tuple[float | None, str]:
-    """(FLOP/s, its label): the measured dense matmul rate of ``device`` for ``dtype`` where
-    known, else the vendor's dense peak, else (None, why)."""
-    measured = measured_matmul_flops(device, dtype)
-    if measured is not None:
-        return measured, (f"of the measured dense {dtype} matmul of {device.device_kind}, "
-                          f"{measured / 1e12:.0f} TFLOP/s")
+    """(FLOP/s, its label): the vendor's dense peak of ``device`` for ``dtype``, else (None,
+    why)."""
     peak = peak_flops(device, dtype)
     if peak is not None:
         return peak, (f"of the vendor's dense {dtype} peak of {device.device_kind}, "
@@ -88,6 +85,7 @@ class Throughput:
         dtype = dtype or config.dtype
         self.denominator, self.label = mfu_denominator(devices[0], dtype)
         self.ceiling = measured_matmul_flops(devices[0], dtype)
+        self.kind = devices[0].device_kind
         self._warning: str | None = None
         self._warned = False
 
@@ -102,6 +100,7 @@ class Throughput:
                              f"step time is wrong")
         return {"model_tflops_per_device": flops / 1e12,
                 "mfu": flops / self.denominator if self.denominator else None,
+                "fraction_of_measured_matmul": flops / self.ceiling if self.ceiling else None,
                 "attention_pairs_fraction": _pairs_fraction(segment_ids, full)}
 
     def warning(self) -> str | None:
@@ -112,8 +111,12 @@ class Throughput:
     def summary_fields(self) -> dict:
         """What the summary states about its FLOP figures: the convention and MFU's
         denominator."""
+        measured = (None if self.ceiling is None else
+                    f"of the measured dense matmul of {self.kind}, "
+                    f"{self.ceiling / 1e12:.0f} TFLOP/s")
         return {"flops_convention": FLOPS_CONVENTION, "mfu_denominator": self.label,
-                "mfu_denominator_flops": self.denominator}
+                "mfu_denominator_flops": self.denominator,
+                "fraction_of_measured_matmul_denominator": measured}
 
 
 def _pairs_fraction(segment_ids, seq_len: int) -> float:
