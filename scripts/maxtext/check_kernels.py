@@ -16,8 +16,8 @@ with the flag).
 """
 
 import argparse
-import os
 import json
+import os
 import sys
 import time
 
