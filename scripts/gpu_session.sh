@@ -15,7 +15,9 @@
 #   determinism scripts/check_gradient_determinism.py where it exists: the gradient program and
 #               the overlapped step executed 16 times on the same inputs
 #   depth       scripts/gpu/compile_depth.sh where it exists: compile time against depth
-# DEADLINE_MIN bounds the bench's probes (none starts after it).
+# DEADLINE_MIN bounds the bench's probes (none starts after it). OVERRIDES: config overrides of
+# h200-e2e for both stacks (the peer's model follows ours), e.g. a cut model on a smaller card:
+#   OVERRIDES="model.num_layers=6 device.memory_gib=75.2"   (an H100: 1 dense + 5 MoE layers)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -35,7 +37,9 @@ bench() {  # bench NAME ARGS...: scripts/bench_end_to_end.py on h200-e2e, the on
   local name=$1; shift
   local minutes=$(( $(left) / 60 ))
   (( minutes > 0 )) || { echo "=== $name skipped: past the deadline"; return; }
+  local extra=(); for o in ${OVERRIDES:-}; do extra+=(--override "$o"); done
   run "$name" $(( minutes * 60 + 600 )) python3 scripts/bench_end_to_end.py --config h200-e2e \
+    "${extra[@]}" \
     --out "$LOGS/end_to_end.json" --keep-logs "$LOGS/maxtext" --maxtext-site "$SITE" \
     --deadline-min "$minutes" --timeout 480 "$@"
 }
