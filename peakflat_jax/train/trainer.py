@@ -122,9 +122,14 @@ def runtime_for(config: Config, mesh) -> Runtime:
     except ValueError as error:
         raise ConfigError(f"data.seq_len: {error}") from None
     budget = ops.token_budget if ops.moe_dispatch == "pipelined" else None
+    # Synthetic data is one document a sequence: cuDNN's unpacked kernel (as planned,
+    # ``plan.terms.packed_attention_runs``), which reads no segment ids. The XLA kernel masks
+    # by the ids it is given whatever their number, so it keeps them (a caller's packed input
+    # through a synthetic config stays within its documents).
+    one_document = config.data.source == "synthetic" and attention == "cudnn"
     return Runtime(mesh=mesh, operators=ops, attention=attention,
-                   max_segments=1 if config.data.source == "synthetic" else
-                   config.data.max_segments, token_budget=budget,
+                   max_segments=1 if one_document else config.data.max_segments,
+                   token_budget=budget,
                    weight_gradients_first=any(boundary_offload(config, mesh)))
 
 
