@@ -16,7 +16,7 @@ import pytest
 from peakflat_jax import cli
 from peakflat_jax.train import interrupts
 from peakflat_jax.train import run_dir as run_dirs
-from tests.test_train import REPO, SMALL
+from tests.test_train import REPO, SMALL, small_args
 
 GIB = 2**30
 
@@ -61,8 +61,10 @@ def assert_one_line_naming(status: int, err: str, *names: str) -> None:
      "optimizer.resident_groups"),                                # nothing is streamed
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_bad_train_input_is_one_line_and_status_2(capsys, tmp_path, argv, key):
-    status, _, err = run_main(capsys, "train", "tiny", *SMALL, *argv, "--run-dir",
-                              str(tmp_path / "run"))
+    overrides = [word for word in argv if "=" in word]
+    flags = [word for word in argv if "=" not in word]
+    status, _, err = run_main(capsys, "train", "tiny", *small_args(*overrides), *flags,
+                              "--run-dir", str(tmp_path / "run"))
     assert_one_line_naming(status, err, key)
     assert not (tmp_path / "run").exists()
 
