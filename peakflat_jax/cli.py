@@ -16,12 +16,14 @@
                       [section.field=value ...]
 
 CONFIG is a YAML file or the name of a preset in configs/ (tiny, h200-1, ...). Overrides and
-flags come in any order. Bad input (an unknown key or flag, an ill-typed value, a missing file) is
-one line on stderr naming what is wrong and what was expected, exit status 2, before anything is
-compiled. An interrupted run (SIGINT, SIGTERM) saves a checkpoint, says how to resume it and exits
-130 or 143. A run out of device memory (the planner's check lifted, or its bound short) is one
-line naming the program, the size XLA asked for and the plans, exit status 1; its summary.json
-says that it failed and why.
+flags come in any order, each at most once. Bad input (an unknown key or flag, an ill-typed
+value, a flag or key given twice, a missing or unreadable file, a run directory in use by a live
+run or that cannot be one, a GPU config without a GPU) is one line on stderr naming what is
+wrong and what was expected, exit status 2, before anything is compiled; a step the planner
+finds too large, at most five lines. An interrupted run (SIGINT, SIGTERM) saves a checkpoint,
+says how to resume it and exits 130 or 143. A run out of device memory (the planner's check
+lifted, or its bound short) is one line naming the program, the size XLA asked for and the
+plans, exit status 1; its summary.json says that it failed and why.
 """
 
 from __future__ import annotations

@@ -353,6 +353,32 @@ def test_sigterm_and_sigint_stop_after_the_step_with_a_checkpoint_and_how_to_res
     assert 99.0 not in [r["loss"] for r in records]
 
 
+@pytest.mark.slow
+def test_a_signal_during_the_compile_is_said_at_once_and_no_step_runs(tmp_path):
+    """SIGINT while the first step compiles: the run says so at once (a thread reads the
+    signal: its line comes before 'compiled in'), then ends once the compile returns, without
+    a step and without a checkpoint (its data iterator is past a batch no step took): exit
+    status 130 and one line saying that nothing was trained."""
+    from peakflat_jax.train import checkpoint as ckpt
+
+    process = start_cli(["train", "tiny", *small_args("model.num_layers=1"), "--run-dir",
+                         str(tmp_path)])
+    lines = []
+    for line in process.stderr:
+        lines.append(line.rstrip("\n"))
+        if line.startswith("compiling the step's programs"):
+            process.send_signal(signal.SIGINT)
+            break
+    lines += process.stderr.read().splitlines()
+    assert process.wait(timeout=300) == 130, "\n".join(lines[-20:])
+    said = next(i for i, line in enumerate(lines) if "SIGINT: stopping after the compile" in line)
+    assert said < next(i for i, line in enumerate(lines) if line.startswith("compiled in"))
+    assert not any(line.startswith("step ") for line in lines), lines
+    assert lines[-1] == ("peakflat train: SIGINT: stopped before step 1 (while compiling; no "
+                         "step ran) of 4; nothing to resume from: start again with --overwrite")
+    assert ckpt.latest_step(tmp_path / "checkpoints") is None and not read_metrics(tmp_path)
+
+
 OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 37.46GiB with "
                  "allocator GPU_0_bfc on device 0. [tf-allocator-allocation-error=''] "
                  "[executable_name='jit_train_step']")
@@ -433,6 +459,7 @@ def test_two_processes_give_the_losses_of_one(tmp_path):
     ([], ["optimizer.update_on=host_cpu", *ALL_OFF], "optimizer.update_on"),
     (ALL_OFF, ["operators.optimizer_offload=true"], "operators.optimizer_offload"),
     ([], ["model.num_layers=3"], "model.num_layers"),
+    ([], ["optimizer.learning_rate=0.01"], "optimizer.learning_rate"),  # another run
 ])
 def test_a_resume_under_another_state_s_settings_is_refused_by_name(tmp_path, saved, resumed,
                                                                     key):

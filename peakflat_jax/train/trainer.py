@@ -645,9 +645,9 @@ class Trainer:
                     valid = int(jnp.sum(batch["targets"] != IGNORE))
                     if not compiled:
                         self.timeline.mark("data")
+                        stop.during = "the compile"  # before it is said: a signal may follow
                         bar.write("compiling the step's programs ...")
                         bar.status("compiling")
-                        stop.during = "the compile"
                         started = time.perf_counter()
                         self.compile(state, batch)
                         each = ", ".join(f"{what} {seconds:.1f} s"
