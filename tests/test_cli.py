@@ -253,12 +253,12 @@ def test_a_live_run_directory_is_refused_and_a_killed_holder_leaves_it_usable(ca
     try:
         assert holder.stdout.readline().strip() == "held"
         (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
-        before = test_snapshot(run_dir)
+        before = file_snapshot(run_dir)
         for flags in ([], ["--resume"], ["--overwrite"]):
             status, _, err = train_into(capsys, run_dir, *flags)
             assert_one_line_naming(status, err, f"run directory {run_dir} is in use",
                                    f"pid {holder.pid} on ")
-        assert test_snapshot(run_dir) == before
+        assert file_snapshot(run_dir) == before
     finally:
         holder.kill()
         holder.wait()
@@ -270,7 +270,7 @@ def test_a_live_run_directory_is_refused_and_a_killed_holder_leaves_it_usable(ca
     assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
 
 
-def test_snapshot(run_dir) -> dict:
+def file_snapshot(run_dir) -> dict:
     """Every file under ``run_dir`` with its size, modification time and bytes."""
     return {str(p): (p.stat().st_mtime_ns, p.read_bytes()) for p in run_dir.rglob("*")
             if p.is_file()}
