@@ -16,12 +16,14 @@
                       [section.field=value ...]
 
 CONFIG is a YAML file or the name of a preset in configs/ (tiny, h200-1, ...). Overrides and
-flags come in any order. Bad input (an unknown key or flag, an ill-typed value, a missing file) is
-one line on stderr naming what is wrong and what was expected, exit status 2, before anything is
-compiled. An interrupted run (SIGINT, SIGTERM) saves a checkpoint, says how to resume it and exits
-130 or 143. A run out of device memory (the planner's check lifted, or its bound short) is one
-line naming the program, the size XLA asked for and the plans, exit status 1; its summary.json
-says that it failed and why.
+flags come in any order, each at most once. Bad input (an unknown key or flag, an ill-typed
+value, a flag or key given twice, a missing or unreadable file, a run directory in use by a live
+run or that cannot be one, a GPU config without a GPU) is one line on stderr naming what is
+wrong and what was expected, exit status 2, before anything is compiled; a step the planner
+finds too large, at most five lines. An interrupted run (SIGINT, SIGTERM) saves a checkpoint,
+says how to resume it and exits 130 or 143. A run out of device memory (the planner's check
+lifted, or its bound short) is one line naming the program, the size XLA asked for and the
+plans, exit status 1; its summary.json says that it failed and why.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def parse_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> argpars
     """``parser``'s namespace of ``argv`` with overrides and flags in any order: argparse's
     ``nargs="*"`` positionals stop at the first flag, so the ``section.field=value`` words after
     one come back unrecognized and are appended to ``overrides`` here (where the command takes
-    them); any other leftover is an error."""
+    them); any other leftover is an error, and so is a flag or an override given twice
+    (``duplicate``: argparse and the config would keep the last one without a word)."""
     args, leftovers = parser.parse_known_args(argv)
     overrides = [word for word in leftovers if "=" in word and not word.startswith("-")]
     unknown = [word for word in leftovers if word not in overrides]
@@ -73,7 +76,59 @@ def parse_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> argpars
                          f"flags of `{command} --help` or section.field=value overrides)")
     if overrides:
         args.overrides = [*args.overrides, *overrides]
+    if twice := duplicate(parser, args, argv):
+        command = " ".join([parser.prog, *[w for w in (getattr(args, "command", None),
+                                                       getattr(args, "action", None)) if w]])
+        raise UsageError(f"{command}: {twice}: expected each flag and each override at most "
+                         f"once (the last would win silently)")
     return args
+
+
+def _command_parser(parser: argparse.ArgumentParser,
+                    args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser that took the command's flags: ``peakflat train``'s, ``peakflat xcheck
+    run``'s."""
+    for name in ("command", "action"):
+        choice = getattr(args, name, None)
+        subparsers = getattr(parser, "_subparsers", None)
+        if choice is None or subparsers is None:
+            break
+        for action in subparsers._group_actions:
+            if isinstance(action, argparse._SubParsersAction) and choice in action.choices:
+                parser = action.choices[choice]
+    return parser
+
+
+def duplicate(parser: argparse.ArgumentParser, args: argparse.Namespace,
+              argv: list[str]) -> str | None:
+    """The words of the first flag (by its action: ``--run-dir`` and ``--run-dir=``) or
+    override key given twice in ``argv``, or None; a repeatable flag (``--only``) is no
+    duplicate."""
+    options = _command_parser(parser, args)._option_string_actions
+    seen: dict[object, str] = {}
+    for index, word in enumerate(argv):
+        if word == "--":
+            break
+        if not word.startswith("--"):
+            continue
+        name = word.split("=", 1)[0]
+        matches = [action for option, action in options.items() if option == name] or [
+            action for option, action in options.items() if option.startswith(name)]
+        if len({id(a) for a in matches}) != 1 or isinstance(
+                matches[0], argparse._AppendAction | argparse._HelpAction):
+            continue
+        if "=" not in word and matches[0].nargs != 0 and index + 1 < len(argv):
+            word = f"{word} {argv[index + 1]}"  # the flag with its value
+        if matches[0] in seen:
+            return f"{matches[0].option_strings[-1]} given twice ({seen[matches[0]]} and {word})"
+        seen[matches[0]] = word
+    keys: dict[str, str] = {}
+    for override in getattr(args, "overrides", None) or []:
+        key = override.split("=", 1)[0].strip()
+        if key in keys:
+            return f"{key} given twice ({keys[key]} and {override})"
+        keys[key] = override
+    return None
 
 
 def resume_command(argv: list[str]) -> str:
@@ -200,10 +255,47 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume and args.overwrite:
         raise UsageError("peakflat train: --resume and --overwrite: expected at most one "
                          "(continue the run in the run directory, or clear it first)")
+    from peakflat_jax.train import run_dir as run_dirs
+    from peakflat_jax.train import run_lock
+
     try:
         config = load_config(args.config, args.overrides)
+        # One run per directory, from the start: a second run into a live one is refused
+        # here, as is a path that cannot be a run directory, in a second, not after jax.
+        lock = run_lock.hold(run_dirs.run_dir_of(config, args.run_dir),
+                             process_index=run_lock.process_index_of(config.mesh),
+                             create=not args.resume)
     except ConfigError as error:
         raise UsageError(f"peakflat train: {error}") from None
+    try:
+        return _train_holding(args, config)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def condensed(message: str, plan: str, most: int = 5) -> str:
+    """A refusal of several lines (the planner's table of terms) in at most ``most``: its
+    first line and its ``to change:`` lines, then where the whole table is (``plan``, the
+    ``peakflat plan`` command of the run)."""
+    lines = message.strip().splitlines()
+    if len(lines) <= most:
+        return message.strip()
+    kept = [lines[0], *[line.strip() for line in lines[1:]
+                        if line.strip().startswith("to change:")][: most - 2]]
+    return "\n".join([*kept, f"the terms, line by line: `{plan}`"])
+
+
+def _train_holding(args: argparse.Namespace, config) -> int:
+    """``_train`` with the config read and the run directory's lock held."""
+    from peakflat_jax.config import ConfigError
+
+    # Said on a terminal before jax is imported (seconds), then the banner once planned
+    # (before the state, whose initialisation compiles); piped, the banner comes first, so
+    # that bad input refused while planning stays one line.
+    if sys.stderr.isatty():
+        print(f"peakflat train {config.name}: starting (jax, the plan, the initial state, then "
+              f"the compile) ...", file=sys.stderr, flush=True)
     # The trainer only now: a bad config is answered without importing it.
     import jax
 
@@ -222,14 +314,22 @@ def _train(args: argparse.Namespace) -> int:
         cap_from_plan(config)  # XLA reads the pinned-host pool's cap when its backend starts
         mesh.initialize_distributed(config.mesh)  # before anything starts a backend
         enable_compilation_cache()
-        jax.devices()  # the backend started here (not inside the trainer's set-up)
+        devices = jax.devices()  # the backend started here (not inside the trainer's set-up)
         timeline.mark("backend")
+        if config.device.platform == "gpu" and jax.default_backend() != "gpu":
+            raise UsageError(
+                f"peakflat train: {args.config} is a GPU config (device.platform: gpu) and this "
+                f"machine has no GPU (jax found {len(devices)} {devices[0].platform} devices); "
+                f"`peakflat plan {args.config}` plans it here; to run it here anyway, override "
+                f"device.platform=cpu and a mesh of the {len(devices)} devices (mesh.data, "
+                f"mesh.seq), which the planner then holds to this machine's memory")
         train(config, resume=args.resume, overwrite=args.overwrite, run_dir=args.run_dir,
               progress=False if args.no_progress else None, timeline=timeline)
     except (ConfigError, PlanError) as error:
         raise UsageError(f"peakflat train: {error}") from None
-    except DoesNotFit as error:  # the planner's table of terms: several lines
-        print(f"peakflat train: {error}", file=sys.stderr)
+    except DoesNotFit as error:  # the planner's table of terms: its verdict, what to change
+        print(f"peakflat train: {condensed(str(error), plan_command(args.config, args.overrides))}",
+              file=sys.stderr)
         return 2
     except Interrupted as stop:
         resume = (f"resume with: {resume_command(args.argv)}" if stop.saved_step is not None
@@ -300,6 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         print(error, file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C where no handler of ours was installed (a start-up)
+        command = " ".join(["peakflat", *argv[:1]])
+        print(f"{command}: SIGINT: stopped before anything ran (no step trained, nothing "
+              f"saved)", file=sys.stderr)
+        return 130
 
 
 def make_parser() -> argparse.ArgumentParser:

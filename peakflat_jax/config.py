@@ -467,14 +467,25 @@ def load_config(path_or_name: str | pathlib.Path, overrides: list[str] = ()) -> 
     ``section.field=value`` overrides applied, the architecture of ``model.from_pretrained``
     read in where set, checked (``check_config``)."""
     path = pathlib.Path(path_or_name)
-    if not path.exists() and not path.suffix:
-        path = CONFIGS_DIR / f"{path_or_name}.yaml"
+    presets = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+    if not path.is_file() and not path.suffix:
+        # A preset's name, also where a directory of that name (a run's, say) is here.
+        preset = CONFIGS_DIR / f"{path_or_name}.yaml"
+        if preset.is_file() or not path.exists():
+            path = preset
+    if path.is_dir():
+        raise ConfigError(f"config: {str(path_or_name)!r} is a directory; expected a YAML file "
+                          f"or a preset's name (presets in configs/: {presets})")
     if not path.exists():
-        presets = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
         raise ConfigError(f"config: no file {str(path_or_name)!r} (presets in configs/: "
                           f"{presets})")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as error:
+        raise ConfigError(f"config: {path} cannot be read ({error.strerror}); expected a "
+                          f"readable YAML file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config: {path} is not UTF-8 text; expected a YAML file") from None
     except yaml.YAMLError as error:
         raise ConfigError(f"config: {path} is not valid YAML: {error}") from None
     if not isinstance(raw, dict):

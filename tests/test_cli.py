@@ -14,9 +14,9 @@ import sys
 import pytest
 
 from peakflat_jax import cli
-from peakflat_jax.train import interrupts
+from peakflat_jax.train import interrupts, run_lock
 from peakflat_jax.train import run_dir as run_dirs
-from tests.test_train import REPO, SMALL
+from tests.test_train import REPO, SMALL, small_args
 
 GIB = 2**30
 
@@ -61,9 +61,45 @@ def assert_one_line_naming(status: int, err: str, *names: str) -> None:
      "optimizer.resident_groups"),                                # nothing is streamed
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_bad_train_input_is_one_line_and_status_2(capsys, tmp_path, argv, key):
-    status, _, err = run_main(capsys, "train", "tiny", *SMALL, *argv, "--run-dir",
-                              str(tmp_path / "run"))
+    overrides = [word for word in argv if "=" in word]
+    flags = [word for word in argv if "=" not in word]
+    status, _, err = run_main(capsys, "train", "tiny", *small_args(*overrides), *flags,
+                              "--run-dir", str(tmp_path / "run"))
     assert_one_line_naming(status, err, key)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--run-dir", "a", "--run-dir", "b"], "--run-dir given twice (--run-dir a and --run-dir b)"),
+    (["train.steps=1", "train.steps=2"], "train.steps given twice"),
+    (["--no-progress", "--no-progress"], "--no-progress given twice"),
+])
+def test_a_flag_or_override_given_twice_is_one_line(capsys, argv, named):
+    status, _, err = run_main(capsys, "train", "tiny", *argv)
+    assert_one_line_naming(status, err, named)
+    status, _, err = run_main(capsys, "plan", "tiny", "--auto", "--auto")
+    assert_one_line_naming(status, err, "--auto given twice")
+
+
+def test_bad_paths_are_one_line_before_anything_runs(capsys, tmp_path):
+    """A config path that is a directory; a run directory that is a file, under a file, or
+    where none can be made: one line each, naming the path, exit status 2, nothing made."""
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "file").write_text("not a directory\n")
+    status, _, err = run_main(capsys, "train", str(tmp_path / "configs"))
+    assert_one_line_naming(status, err, "is a directory", str(tmp_path / "configs"))
+    for run_dir, why in ((tmp_path / "file", "is a file"),
+                         (tmp_path / "file" / "run", f"{tmp_path / 'file'} is a file"),
+                         ("/proc/peakflat-run", "no such file or directory")):
+        status, _, err = run_main(capsys, "train", "tiny", "--run-dir", str(run_dir))
+        assert_one_line_naming(status, err, f"run directory {run_dir}", why)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["configs", "file"]
+
+
+def test_a_gpu_config_on_a_machine_without_one_says_so(capsys, tmp_path):
+    status, _, err = run_main(capsys, "train", "h200-1", "--run-dir", str(tmp_path / "run"))
+    assert_one_line_naming(status, err, "h200-1 is a GPU config (device.platform: gpu)",
+                           "no GPU", "device.platform=cpu", "peakflat plan h200-1")
     assert not (tmp_path / "run").exists()
 
 
@@ -104,6 +140,9 @@ def test_a_config_too_large_for_the_cpu_is_refused_before_compiling(capsys, tmp_
     first = err.splitlines()[0]
     assert status == 2 and "does not fit" in first and "attention" in first, err
     assert "data.seq_len" in err and "Traceback" not in err
+    # The verdict and what to change, the table of terms left to `peakflat plan`.
+    assert len(err.splitlines()) <= 5 and "to change:" in err, err
+    assert err.splitlines()[-1].endswith("`peakflat plan tiny data.seq_len=1048576`"), err
     assert not (tmp_path / "run").exists()
 
 
@@ -196,6 +235,74 @@ def test_resume_without_a_checkpoint_is_refused(capsys, tmp_path):
         status, _, err = train_into(capsys, run_dir, "--resume")
         assert_one_line_naming(status, err, "--resume", str(run_dir), "no complete checkpoint")
     assert not (tmp_path / "absent").exists()
+
+
+HOLD = ("import sys, time; from peakflat_jax.train import run_lock; "
+        "run_lock.hold(sys.argv[1]); print('held', flush=True); time.sleep(600)")
+
+
+def test_a_live_run_directory_is_refused_and_a_killed_holder_leaves_it_usable(capsys,
+                                                                              tmp_path):
+    """A process holding the run directory's lock (as a run does for its life): a fresh run,
+    --resume and --overwrite into it are refused in one line naming its pid, and touch
+    nothing there; killed (-9), it leaves a stale lock file that the next run takes over, and
+    a run that ends removes it."""
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+        before = file_snapshot(run_dir)
+        for flags in ([], ["--resume"], ["--overwrite"]):
+            status, _, err = train_into(capsys, run_dir, *flags)
+            assert_one_line_naming(status, err, f"run directory {run_dir} is in use",
+                                   f"pid {holder.pid} on ")
+        assert file_snapshot(run_dir) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (run_dir / ".lock").exists()  # stale: the kernel released its lock
+    with run_lock.hold(run_dir) as lock:
+        assert json.loads((run_dir / ".lock").read_text())["pid"] == os.getpid()
+        assert run_lock.hold(run_dir) is lock  # re-entrant within a process
+        lock.release()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
+
+
+def file_snapshot(run_dir) -> dict:
+    """Every file under ``run_dir`` with its size, modification time and bytes."""
+    return {str(p): (p.stat().st_mtime_ns, p.read_bytes()) for p in run_dir.rglob("*")
+            if p.is_file()}
+
+
+def test_resume_changes_are_refused_or_recorded(tmp_path):
+    """A resume's config against the run's: a changed learning rate is refused naming the
+    old and new values; a longer run (train.steps) is accepted and recorded, config.json
+    keeping the start, and the next resume compares against the run as changed."""
+    from peakflat_jax.config import load_config, to_dict
+
+    start = to_dict(load_config("tiny"))
+    (tmp_path / "config.json").write_text(json.dumps(start))
+    with pytest.raises(run_dirs.RunDirError) as refused:
+        run_dirs.resume_changes(tmp_path, to_dict(load_config(
+            "tiny", ["optimizer.learning_rate=0.01"])))
+    message = str(refused.value)
+    assert "\n" not in message and ("holds a run with optimizer.learning_rate = 0.003, this "
+                                    "one has 0.01: ") in message
+    assert "resume with optimizer.learning_rate=0.003, or start a new run" in message
+    with pytest.raises(run_dirs.RunDirError, match=r"data.seed = 0, this one has 3 \(and 1 "
+                                                   r"more: optimizer.learning_rate\)"):
+        run_dirs.resume_changes(tmp_path, to_dict(load_config(
+            "tiny", ["optimizer.learning_rate=0.01", "data.seed=3"])))
+    longer = to_dict(load_config("tiny", ["train.steps=48", "train.checkpoint_every=4"]))
+    changed = run_dirs.record_config(tmp_path, longer, resumed_from=24)
+    assert changed == {"train.steps": {"was": 24, "now": 48},
+                       "train.checkpoint_every": {"was": 8, "now": 4}}
+    assert json.loads((tmp_path / "config.json").read_text()) == start
+    assert run_dirs.record_config(tmp_path, longer, resumed_from=30) == {}  # nothing new
+    record = json.loads((tmp_path / "config_changes.jsonl").read_text())
+    assert (record["resumed_from"], record["changed"]) == (24, changed)
 
 
 def test_overwrite_clears_only_a_run_directory(capsys, tmp_path):

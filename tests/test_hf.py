@@ -8,8 +8,10 @@ dequantizes them; bad checkpoints are refused naming the tensor or the config.js
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
+import stat
 import subprocess
 
 import jax
@@ -272,6 +274,10 @@ def test_export_loads_in_transformers_as_the_same_family(references, torch_pytho
         assert relative(again["logits"], theirs["logits"]) < 1e-6
         exported = json.loads((tmp_path / f"export_{name}" / "config.json").read_text())
         assert exported["model_type"] == MODELS[name]["family"]
+        umask = os.umask(0)
+        os.umask(umask)
+        for file in (tmp_path / f"export_{name}").iterdir():  # as any file is written
+            assert stat.S_IMODE(file.stat().st_mode) == 0o666 & ~umask, file
         assert (tmp_path / f"export_{name}" / "generation_config.json").is_file()  # copied
     sharded = tmp_path / "export_qwen3_moe"
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
@@ -369,6 +375,51 @@ def test_export_refuses_what_the_family_cannot_express(fields, message):
 
     with pytest.raises(ConfigError, match=message):
         family_of(ModelConfig(**fields))
+
+
+def hf_dict(name: str, **fields) -> dict:
+    """The config.json of MODELS[name] (as transformers writes it, near enough) with
+    ``fields``."""
+    return dict(MODELS[name]["config"], model_type=MODELS[name]["family"], **fields)
+
+
+def test_a_mixtral_window_no_shorter_than_the_context_is_accepted():
+    """A Mixtral sliding window at least as long as the run's sequences changes nothing
+    there: accepted; a shorter one is refused naming sliding_window and the context."""
+    from peakflat_jax.hf.config import model_config_from_hf
+
+    for window in (LENGTH, 4096):
+        model = model_config_from_hf(hf_dict("mixtral", sliding_window=window), context=LENGTH)
+        assert model.sliding_window == 0
+    with pytest.raises(ConfigError, match=rf"^config.json sliding_window: 8 is not supported "
+                                          rf"\(a Mixtral window shorter than the context "
+                                          rf"\(data.seq_len = {LENGTH}\)"):
+        model_config_from_hf(hf_dict("mixtral", sliding_window=8), context=LENGTH)
+
+
+def test_dense_layers_placed_elsewhere_are_refused_naming_the_field_that_places_them():
+    from peakflat_jax.hf.config import model_config_from_hf
+
+    with pytest.raises(ConfigError, match=r"^config.json decoder_sparse_step: 2 is not "):
+        model_config_from_hf(hf_dict("qwen3_moe", mlp_only_layers=[], decoder_sparse_step=2))
+    with pytest.raises(ConfigError, match=r"^config.json mlp_only_layers: \[1\] is not "):
+        model_config_from_hf(hf_dict("qwen3_moe", mlp_only_layers=[1]))
+
+
+def test_exporting_a_default_tiny_run_names_every_field_it_needs():
+    """tiny's dense first layer and its moving balancing bias have no Mixtral equivalent: one
+    line names both and what to train with (checked before anything is restored)."""
+    from peakflat_jax.hf.export import check_exportable
+
+    with pytest.raises(ConfigError) as refused:
+        check_exportable(load_config("tiny").model)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("model.num_dense_layers: 1 has no mixtral")
+    assert "model.router_bias_rate: 0.001" in message and "model.qk_norm: true" in message
+    assert message.endswith("to export, train with model.num_dense_layers=0 "
+                            "model.router_bias_rate=0")
+    check_exportable(load_config("tiny", ["model.num_dense_layers=0",
+                                          "model.router_bias_rate=0"]).model)
 
 
 def test_conflicting_fields_are_refused(references, tmp_path):

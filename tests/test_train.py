@@ -3,6 +3,8 @@ refused with their key."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import pathlib
@@ -42,6 +44,13 @@ ALL_OFF = ["operators.moe_dispatch=ep", "operators.loss=materialized", "operator
 
 def small_config(*overrides: str):
     return load_config("tiny", [*SMALL, *overrides])
+
+
+def small_args(*overrides: str) -> list[str]:
+    """SMALL with ``overrides``, each key once: the command line of ``small_config(*overrides)``
+    (``peakflat`` refuses a key given twice)."""
+    merged = {word.split("=", 1)[0]: word for word in [*SMALL, *overrides]}
+    return list(merged.values())
 
 
 def first_gradients(config, run_dir):
@@ -213,7 +222,7 @@ def test_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path
     each step once and the summary covers the whole run. A --resume of the finished run then
     changes nothing."""
     # The model does not matter here: a one-layer dense one compiles fastest.
-    common = ["train", "tiny", *SMALL, "model.num_layers=1", "train.checkpoint_every=2",
+    common = ["train", "tiny", *small_args("model.num_layers=1", "train.checkpoint_every=2"),
               "--run-dir", str(tmp_path), "--no-progress"]
     killed = run_cli(common, env={"PEAKFLAT_TEST_EXIT_DURING_SAVE": "4"})
     assert killed.returncode == 17, killed.stderr[-2000:]
@@ -235,6 +244,15 @@ def test_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path
                                        "compile", "first step"], lived)
     assert summary["first_step_done_s"] <= lived
     assert f"started in {summary['first_step_done_s']:.1f} s: imports " in resumed.stderr
+    # What the run says it is doing: the banner with the run directory before the compile is
+    # announced and timed, each checkpoint save, and where TensorBoard reads the run.
+    lines = resumed.stderr.splitlines()
+    said = [next(i for i, line in enumerate(lines) if line.startswith(start)) for start in (
+        "peakflat train tiny:", f"run directory {tmp_path}", "compiling the step's programs",
+        "compiled in ", "checkpoint of step 4: saving to", "checkpoint of step 4: written",
+        "done: 4 steps", f"  tensorboard --logdir {tmp_path / 'tensorboard'}")]
+    assert said == sorted(said), resumed.stderr[-3000:]
+    assert not (tmp_path / ".lock").exists()  # released: the killed run's stale one taken over
     assert summary["losses"] == [r["loss"] for r in logged]
     before = snapshot(tmp_path)
     finished = run_cli([*common, "--resume"], timeout=120)
@@ -254,12 +272,15 @@ def start_cli(args, ignore_sigint: bool = False) -> subprocess.Popen:
                             text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
-def signal_after_the_first_step(process: subprocess.Popen, signum: int) -> tuple[int, list]:
-    """Sends ``signum`` once the run prints its first step line; (exit status, stderr lines)."""
+def signal_after_the_first_step(process: subprocess.Popen, signum: int,
+                                before=lambda: None) -> tuple[int, list]:
+    """Sends ``signum`` once the run prints its first step line, after calling ``before``;
+    (exit status, stderr lines)."""
     lines = []
     for line in process.stderr:
         lines.append(line.rstrip("\n"))
         if line.startswith("step "):
+            before()
             process.send_signal(signum)
             break
     lines += process.stderr.read().splitlines()
@@ -272,11 +293,31 @@ def test_sigterm_and_sigint_stop_after_the_step_with_a_checkpoint_and_how_to_res
     a checkpoint of it is saved, exit status 143 and one line naming the step and the command
     that resumes; that command continues from the step, and SIGINT (sent to a process started
     with SIGINT ignored, which used to run on to the end) stops it the same way, status 130.
-    Every step is in metrics.jsonl once; --overwrite cleared the old run's records first."""
+    Every step is in metrics.jsonl once; --overwrite cleared the old run's records first.
+
+    While the first run goes on, a second process's run into its directory (a fresh start,
+    --resume, --overwrite) is refused in one line naming the first's pid, before it touches
+    anything there. The resume extends the run (train.steps 200 -> 202): accepted, said and
+    recorded in config_changes.jsonl, config.json keeping 200."""
+    from peakflat_jax import cli
+
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 99.0}\n')  # an older run
-    args = ["train", "tiny", *SMALL, "model.num_layers=1", "train.steps=60", "--run-dir",
+    args = ["train", "tiny", *small_args("model.num_layers=1", "train.steps=200"), "--run-dir",
             str(tmp_path), "--overwrite"]  # steps to spare: the signal comes after the first
-    status, lines = signal_after_the_first_step(start_cli(args), signal.SIGTERM)
+    process = start_cli(args)
+
+    def second_runs_are_refused():
+        for flags in ([], ["--resume"], ["--overwrite"]):
+            second = io.StringIO()
+            with contextlib.redirect_stderr(second):
+                status = cli.main([*args[:-1], *flags])
+            err = second.getvalue()
+            assert status == 2 and len(err.splitlines()) == 1, err
+            assert f"run directory {tmp_path} is in use" in err
+            assert f"pid {process.pid} on " in err, err
+
+    status, lines = signal_after_the_first_step(process, signal.SIGTERM,
+                                                before=second_runs_are_refused)
     assert status == 143, "\n".join(lines[-20:])
     last = lines[-1]
     assert last.startswith("peakflat train: SIGTERM: stopped after step ") and "Traceback" not in \
@@ -288,20 +329,54 @@ def test_sigterm_and_sigint_stop_after_the_step_with_a_checkpoint_and_how_to_res
     assert str(step) in [p.name for p in (tmp_path / "checkpoints").iterdir()]
     assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, step + 1))
 
-    status, lines = signal_after_the_first_step(start_cli(command[1:], ignore_sigint=True),
+    extended = [word.replace("train.steps=200", "train.steps=202") for word in command[1:]]
+    status, lines = signal_after_the_first_step(start_cli(extended, ignore_sigint=True),
                                                 signal.SIGINT)
     assert status == 130, "\n".join(lines[-20:])
     banner = next(line for line in lines if line.startswith("peakflat train tiny:"))
-    assert banner.endswith(f"step {step} of 60")  # resumed at the step
+    assert banner.endswith(f"step {step} of 202")  # resumed at the step
     assert next(line for line in lines if line.startswith("step ")).startswith(
-        f"step {step + 1}/60")
+        f"step {step + 1}/202")
+    assert "resumed with train.steps 200 -> 202 (recorded in " in "\n".join(lines)
+    changes = [json.loads(line) for line in
+               (tmp_path / "config_changes.jsonl").read_text().splitlines()]
+    assert [(c["resumed_from"], c["changed"]) for c in changes] == [
+        (step, {"train.steps": {"was": 200, "now": 202}})]
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 200
     last = lines[-1]
     assert last.startswith("peakflat train: SIGINT: stopped after step "), last
     second = int(last.split("stopped after step ")[1].split()[0])
     assert second > step and f"the checkpoint of step {second} is in" in last
+    assert f"stopped after step {second} of 202" in last
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == list(range(1, second + 1))
     assert 99.0 not in [r["loss"] for r in records]
+
+
+@pytest.mark.slow
+def test_a_signal_during_the_compile_is_said_at_once_and_no_step_runs(tmp_path):
+    """SIGINT while the first step compiles: the run says so at once (a thread reads the
+    signal: its line comes before 'compiled in'), then ends once the compile returns, without
+    a step and without a checkpoint (its data iterator is past a batch no step took): exit
+    status 130 and one line saying that nothing was trained."""
+    from peakflat_jax.train import checkpoint as ckpt
+
+    process = start_cli(["train", "tiny", *small_args("model.num_layers=1"), "--run-dir",
+                         str(tmp_path)])
+    lines = []
+    for line in process.stderr:
+        lines.append(line.rstrip("\n"))
+        if line.startswith("compiling the step's programs"):
+            process.send_signal(signal.SIGINT)
+            break
+    lines += process.stderr.read().splitlines()
+    assert process.wait(timeout=300) == 130, "\n".join(lines[-20:])
+    said = next(i for i, line in enumerate(lines) if "SIGINT: stopping after the compile" in line)
+    assert said < next(i for i, line in enumerate(lines) if line.startswith("compiled in"))
+    assert not any(line.startswith("step ") for line in lines), lines
+    assert lines[-1] == ("peakflat train: SIGINT: stopped before step 1 (while compiling; no "
+                         "step ran) of 4; nothing to resume from: start again with --overwrite")
+    assert ckpt.latest_step(tmp_path / "checkpoints") is None and not read_metrics(tmp_path)
 
 
 OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 37.46GiB with "
@@ -384,6 +459,7 @@ def test_two_processes_give_the_losses_of_one(tmp_path):
     ([], ["optimizer.update_on=host_cpu", *ALL_OFF], "optimizer.update_on"),
     (ALL_OFF, ["operators.optimizer_offload=true"], "operators.optimizer_offload"),
     ([], ["model.num_layers=3"], "model.num_layers"),
+    ([], ["optimizer.learning_rate=0.01"], "optimizer.learning_rate"),  # another run
 ])
 def test_a_resume_under_another_state_s_settings_is_refused_by_name(tmp_path, saved, resumed,
                                                                     key):
@@ -403,6 +479,35 @@ def test_a_resume_under_another_state_s_settings_is_refused_by_name(tmp_path, sa
     assert "\n" not in str(refused.value) and "--overwrite" in str(refused.value)
     with pytest.raises(RunDirError, match="holds no complete checkpoint"):  # same settings
         Trainer(small_config(*saved), run_dir=str(tmp_path)).run(resume=True, progress=False)
+
+
+def test_packed_input_through_a_synthetic_config_stays_within_its_documents():
+    """A Python caller's packed sequences through a config whose data is synthetic (which the
+    trainer makes one document a sequence): the attention keeps the caller's segment ids, so a
+    document's logits are the same whatever it is packed beside and wherever (they were
+    dropped: the second document attended to the first)."""
+    from flax import nnx
+
+    from peakflat_jax import mesh as mop
+    from peakflat_jax.model.sharding import init_model
+    from peakflat_jax.train.trainer import boundary_offload, runtime_for
+
+    config = small_config("data.source=synthetic", "model.num_layers=1", *ALL_OFF)
+    mesh = mop.make_mesh(config.mesh)
+    graphdef, state = init_model(config.model, mesh, seed=0)
+    run, offload = runtime_for(config, mesh), boundary_offload(config, mesh)
+    half = config.data.seq_len // 2
+    a, b = np.random.default_rng(0).integers(0, 256, (2, half))
+    rows = config.data.batch_size // 2
+    tokens = np.array([[*a, *b]] * rows + [[*b, *a]] * rows, np.int32)
+    batch = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1),
+             "positions": np.tile(np.arange(half, dtype=np.int32), (2 * rows, 2)),
+             "segment_ids": np.repeat(np.array([[1, 2]], np.int32), half, axis=1).repeat(
+                 2 * rows, axis=0)}
+    logits = np.asarray(jax.jit(lambda state: nnx.merge(graphdef, state).logits(
+        batch, run, offload))(state))
+    np.testing.assert_allclose(logits[0, :half], logits[-1, half:], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(logits[0, half:], logits[-1, :half], rtol=1e-5, atol=1e-5)
 
 
 def test_a_config_that_does_not_fit_is_refused_before_compiling(tmp_path):
@@ -492,7 +597,7 @@ def test_train_on_chat_examples_with_a_tokenizer(tmp_path):
     config = chat_config(tmp_path, *overrides)
     args = [f"data.{key}={getattr(config.data, key)}" for key in (
         "source", "path", "prompt_field", "response_field", "tokenizer")]
-    assert cli.main(["train", "tiny", *SMALL, *overrides, *args, "model.vocab_size=300",
+    assert cli.main(["train", "tiny", *small_args(*overrides, *args, "model.vocab_size=300"),
                      "--run-dir", str(tmp_path / "run"), "--no-progress"]) == 0
     batches = pf_data.make_batches(config.data, vocab_size=300)
     expected = [int(np.sum(next(batches)["targets"] != -100)) for _ in range(2)]

@@ -6,8 +6,10 @@ ModelConfig's fields and refuses, with one line naming the HF field, whatever th
 compute as transformers does (a RoPE scaling other than linear or YaRN, Mixtral's and Qwen3's
 attention biases and sliding windows, a non-SwiGLU activation, dense layers anywhere but first,
 a gpt-oss layer pattern other than all full, all sliding or alternating from a sliding first,
-quantized tensors). Fields that only shape training in transformers (dropout, router jitter, the
-auxiliary loss's coefficient, cache flags) are ignored: a fine-tune here has none of them.
+quantized tensors). A Mixtral window at least as long as the run's sequences (``data.seq_len``)
+changes nothing there and is accepted. Fields that only shape training in transformers
+(dropout, router jitter, the auxiliary loss's coefficient, cache flags) are ignored: a
+fine-tune here has none of them.
 ``hf_config_from_model`` writes the config.json of a family back, over the checkpoint's own when
 there is one (keeping its token ids, context length and the like).
 
@@ -124,20 +126,29 @@ def _gpt_oss_fields(hf: dict, num_layers: int) -> dict[str, Any]:
 
 
 def _num_dense_layers(hf: dict, num_layers: int) -> int:
-    """Qwen3-MoE's dense layers, which the decoder must have first and contiguous."""
+    """Qwen3-MoE's dense layers, which the decoder must have first and contiguous; a refusal
+    names the field that places one elsewhere (``decoder_sparse_step`` where its own dense
+    layers are not the first ones, else ``mlp_only_layers``)."""
     only = sorted(hf.get("mlp_only_layers") or [])
     step = int(hf.get("decoder_sparse_step", 1) or 1)
     dense = [i for i in range(num_layers) if i in only or (i + 1) % step]
     if dense != list(range(len(dense))):
+        by_step = [i for i in range(num_layers) if (i + 1) % step]
+        if by_step != list(range(len(by_step))):
+            raise _refuse("decoder_sparse_step", step, f"dense layers {by_step} (each layer i "
+                          f"with (i + 1) % {step} != 0): the model's dense layers are the first "
+                          f"ones")
         raise _refuse("mlp_only_layers", only, f"dense layers {dense} with decoder_sparse_step "
                       f"{step}: the model's dense layers are the first ones")
     return len(dense)
 
 
-def model_config_from_hf(hf: dict, base: ModelConfig | None = None) -> ModelConfig:
+def model_config_from_hf(hf: dict, base: ModelConfig | None = None, *,
+                         context: int | None = None) -> ModelConfig:
     """``base`` (default: ModelConfig()) with its architecture fields set from a parsed
     config.json (module doc); ConfigError naming the config.json field the model cannot
-    follow."""
+    follow. ``context``: the longest sequence the model will see (``data.seq_len``), against
+    which a Mixtral window is checked (None: not checked here)."""
     base = ModelConfig() if base is None else base
     family = hf.get("model_type")
     if family not in FAMILIES:
@@ -152,7 +163,11 @@ def model_config_from_hf(hf: dict, base: ModelConfig | None = None) -> ModelConf
     if family != "gpt_oss" and hf.get("attention_bias"):
         raise _refuse("attention_bias", True, f"{family} has no attention biases here")
     window = hf.get("sliding_window")
-    if window is not None and (family == "mixtral" or hf.get("use_sliding_window")):
+    if window is not None and family == "mixtral" and context is not None and window < context:
+        raise _refuse("sliding_window", window, f"a Mixtral window shorter than the context "
+                      f"(data.seq_len = {context}) is not mapped; one at least as long changes "
+                      f"nothing and is accepted")
+    if window is not None and family != "mixtral" and hf.get("use_sliding_window"):
         raise _refuse("sliding_window", window, f"{family}'s sliding windows are not mapped "
                       f"(gpt-oss's are)")
     heads = int(hf["num_attention_heads"])
@@ -198,7 +213,7 @@ def resolve_pretrained(config: Config, explicit: set[str] | None = None) -> Conf
     differ from their defaults. So is a router bias that moves (imported routers have none)."""
     model = config.model
     hf = read_hf_config(model.from_pretrained)
-    resolved = model_config_from_hf(hf, model)
+    resolved = model_config_from_hf(hf, model, context=config.data.seq_len)
     defaults = ModelConfig()
     for name in ARCHITECTURE_FIELDS:
         ours, theirs = getattr(model, name), getattr(resolved, name)
@@ -245,10 +260,15 @@ def family_of(config: ModelConfig) -> str:
     if family == "mixtral":
         unsupported += [("num_dense_layers", config.num_dense_layers, 0),
                         ("router_renormalize", config.router_renormalize, True)]
-    for name, value, expected in unsupported:
-        if value != expected:
-            raise ConfigError(f"model.{name}: {value!r} has no {family} equivalent (expected "
-                              f"{expected!r})")
+    problems = [(name, value, expected) for name, value, expected in unsupported
+                if value != expected]
+    if problems:
+        name, value, expected = problems[0]
+        also = "".join(f"; also model.{n}: {v!r} (expected {e!r})" for n, v, e in problems[1:])
+        hint = ("; Qwen3-MoE, with model.qk_norm: true, has dense first layers"
+                if family == "mixtral" and name == "num_dense_layers" else "")
+        raise ConfigError(f"model.{name}: {value!r} has no {family} equivalent (expected "
+                          f"{expected!r}{hint}){also}")
     return family
 
 
@@ -287,7 +307,9 @@ def hf_config_from_model(config: ModelConfig, base: dict | None = None) -> dict[
         num_experts_per_tok=config.top_k, attention_bias=config.attention_bias,
         sliding_window=None, dtype=config.dtype)
     if family == "mixtral":
-        hf.update(intermediate_size=config.expert_ffn, num_local_experts=config.num_experts)
+        # An imported window (at least the run's context: ``model_config_from_hf``) kept.
+        hf.update(intermediate_size=config.expert_ffn, num_local_experts=config.num_experts,
+                  sliding_window=(base or {}).get("sliding_window"))
         hf.pop("attention_bias")
     elif family == "gpt_oss":
         sliding = [config.sliding_window > 0 and (config.sliding_window_layers == "all"

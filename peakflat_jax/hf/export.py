@@ -5,19 +5,22 @@ transformers loads as the same family (Mixtral, or Qwen3-MoE for a model with q/
 Each of our weights is fetched to the host one at a time (a leaf, not the model, on the
 device-to-host path) and cut into the checkpoint's per-layer, per-expert tensors
 (``weights.Rule.to_hf``), the vocab padding dropped. The router's balancing bias has no place in
-either family: a moved bias (``model.router_bias_rate`` > 0) is refused rather than dropped.
+either family: a moved bias (``model.router_bias_rate`` > 0) is refused rather than dropped;
+``export_run`` names, in one line, every field of a run's model that keeps it from a family
+and what to train with instead. The files are written as any file is (0666 less the umask).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import jax
 import numpy as np
 
 from peakflat_jax.config import ConfigError, ModelConfig
-from peakflat_jax.hf.config import family_of, hf_config_from_model, read_hf_config
+from peakflat_jax.hf.config import FAMILIES, family_of, hf_config_from_model, read_hf_config
 from peakflat_jax.hf.weights import layer_offset, rules
 
 
@@ -140,8 +143,10 @@ def export_pretrained(config: ModelConfig, state, directory: str | pathlib.Path,
     count = len(shards)
     files = (["model.safetensors"] if count == 1 else
              [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
+    mode = _file_mode()
     for i, file in enumerate(files):
         (directory / f"shard-{i:05d}.tmp").replace(directory / file)
+        os.chmod(directory / file, mode)  # safetensors writes 0600
     if count > 1:
         index = {"metadata": {"total_size": total},
                  "weight_map": {n: file for names, file in zip(shards, files) for n in names}}
@@ -153,6 +158,35 @@ def export_pretrained(config: ModelConfig, state, directory: str | pathlib.Path,
             if (source / file).is_file() and source.resolve() != directory.resolve():
                 shutil.copyfile(source / file, directory / file)
     return directory
+
+
+def _file_mode() -> int:
+    """The mode of a new file under this process's umask (0666 & ~umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def check_exportable(config: ModelConfig) -> None:
+    """ConfigError, one line, naming every field of ``config`` that no family can express
+    (``family_of``'s) and a balancing bias that moves (``model.router_bias_rate``), with the
+    values to train with instead."""
+    problems = []
+    try:
+        family_of(config)
+    except ConfigError as error:
+        problems.append(str(error))
+    if config.router_bias_rate:
+        problems.append(f"model.router_bias_rate: {config.router_bias_rate!r} moves a balancing "
+                        f"bias that none of {list(FAMILIES)} has (expected 0)")
+    if problems:
+        fields = [p.split(":", 1)[0] for p in problems]
+        fields += [part.split("also ", 1)[1].split(":", 1)[0] for p in problems
+                   for part in p.split("; ")[1:] if part.startswith("also model.")]
+        suggestion = {"model.num_dense_layers": "model.num_dense_layers=0",
+                      "model.router_bias_rate": "model.router_bias_rate=0"}
+        settings = " ".join(suggestion.get(f, f"{f}=<its default>") for f in fields)
+        raise ConfigError(f"{'; '.join(problems)}: to export, train with {settings}")
 
 
 def export_run(run_dir: str | pathlib.Path, directory: str | pathlib.Path) -> pathlib.Path:
@@ -173,6 +207,7 @@ def export_run(run_dir: str | pathlib.Path, directory: str | pathlib.Path) -> pa
         raise ConfigError(f"RUN_DIR: no config.json in {str(run_dir)!r} (expected the directory "
                           f"of a peakflat train run)")
     config = from_dict(json.loads((run_dir / "config.json").read_text()))
+    check_exportable(config.model)  # before anything is restored
     step = latest_step(run_dir / "checkpoints")
     if step is None:
         raise ConfigError(f"RUN_DIR: no complete checkpoint under {run_dir / 'checkpoints'}")

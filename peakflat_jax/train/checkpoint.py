@@ -28,11 +28,14 @@ from peakflat_jax.config import Config, to_dict
 
 class Checkpoints:
     """``save(state, batches, optimizer)`` and ``restore_latest(state, batches, optimizer)``
-    over one directory."""
+    over one directory. ``log`` (a line's printer) is told of each save as it starts and, at
+    ``close``, that the last one is written: a save in the background is otherwise unseen."""
 
-    def __init__(self, directory: pathlib.Path, config: Config):
+    def __init__(self, directory: pathlib.Path, config: Config, log=None):
         self.directory = directory.absolute()
         self.config = config
+        self._log = log or (lambda line: None)
+        self._unannounced: int | None = None  # the last save not yet said to be written
         train = config.train
         self._manager = None
         if train.checkpoints or self.directory.exists():
@@ -50,7 +53,14 @@ class Checkpoints:
                                     "optimizer": _opt_metadata(optimizer, state.opt_state)}))
         if jax.tree.leaves(state.extras):  # a model without MoE layers has no router bias
             items["extras"] = ocp.args.StandardSave(state.extras)
+        background = self.config.train.async_checkpoints
+        self._log(f"checkpoint of step {state.step}: saving to {self.directory / str(state.step)}"
+                  + (" in the background" if background else ""))
         self._manager.save(state.step, args=ocp.args.Composite(**items))
+        if background:
+            self._unannounced = state.step
+        else:
+            self._log(f"checkpoint of step {state.step}: written")
         kill_at = os.environ.get("PEAKFLAT_TEST_EXIT_DURING_SAVE")
         if kill_at and int(kill_at) == state.step:  # tests: a run killed while a save runs
             os._exit(17)
@@ -87,6 +97,9 @@ class Checkpoints:
         if self._manager is not None:
             self._manager.wait_until_finished()
             self._manager.close()
+            if self._unannounced is not None:
+                self._log(f"checkpoint of step {self._unannounced}: written")
+                self._unannounced = None
 
 
 def latest_step(directory: pathlib.Path) -> int | None:

@@ -237,6 +237,12 @@ class Progress:
             print(f"step {step}/{total}  {summary}", file=sys.stderr, flush=True)
             self._last_line = time.monotonic()
 
+    def status(self, text: str) -> None:
+        """What the run is doing between steps (making the state, compiling), shown beside the
+        bar on a terminal (a bar at 0/N said nothing of it); elsewhere the lines say it."""
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=True)
+
     def write(self, text: str) -> None:
         if self._bar is not None:
             self._bar.write(text)

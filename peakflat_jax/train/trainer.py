@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import pathlib
+import shlex
 import sys
 import time
 from typing import Any
@@ -59,7 +59,7 @@ from peakflat_jax.plan import DoesNotFit, check_plan, offload_flags
 from peakflat_jax.plan.host_pool import LIMIT_VARIABLE
 from peakflat_jax.train import checkpoint as ckpt
 from peakflat_jax.train import data as data_pipeline
-from peakflat_jax.train import interrupts, oom, startup
+from peakflat_jax.train import interrupts, oom, run_lock, startup
 from peakflat_jax.train import metrics as report
 from peakflat_jax.train import run_dir as run_dirs
 from peakflat_jax.train.optimizer import (
@@ -122,9 +122,14 @@ def runtime_for(config: Config, mesh) -> Runtime:
     except ValueError as error:
         raise ConfigError(f"data.seq_len: {error}") from None
     budget = ops.token_budget if ops.moe_dispatch == "pipelined" else None
+    # Synthetic data is one document a sequence: cuDNN's unpacked kernel (as planned,
+    # ``plan.terms.packed_attention_runs``), which reads no segment ids. The XLA kernel masks
+    # by the ids it is given whatever their number, so it keeps them (a caller's packed input
+    # through a synthetic config stays within its documents).
+    one_document = config.data.source == "synthetic" and attention == "cudnn"
     return Runtime(mesh=mesh, operators=ops, attention=attention,
-                   max_segments=1 if config.data.source == "synthetic" else
-                   config.data.max_segments, token_budget=budget,
+                   max_segments=1 if one_document else config.data.max_segments,
+                   token_budget=budget,
                    weight_gradients_first=any(boundary_offload(config, mesh)))
 
 
@@ -154,7 +159,7 @@ class Trainer:
         self.xla_plan = None  # XLA's plan of the largest compiled program, once compiled
         self.compile_seconds: dict[str, float] = {}  # per program compiled by this run
         self.offload = boundary_offload(config, self.mesh)
-        self.run_dir = pathlib.Path(run_dir or config.train.run_dir.format(name=config.name))
+        self.run_dir = run_dirs.run_dir_of(config, run_dir)
         self.total_steps = config.train.steps
         self.offloaded_optimizer = config.operators.optimizer_offload
         # ZeRO-Offload's placement: the state in host memory, updated by the host CPU.
@@ -540,6 +545,8 @@ class Trainer:
         device memory (``oom``), it writes a summary.json that says so and raises
         ``OutOfMemory``."""
         self.steps_done = None  # the steps completed, once the state is made
+        # One run per directory (``run_lock``): held until the run ends, however it ends.
+        lock = run_lock.hold(self.run_dir, process_index=jax.process_index(), create=not resume)
         try:
             return self._run(resume=resume, overwrite=overwrite, progress=progress,
                              stop_after=stop_after)
@@ -548,6 +555,9 @@ class Trainer:
             if what is None:
                 raise
             raise oom.OutOfMemory(self._record_failure(what)) from None
+        finally:
+            if lock is not None:
+                lock.release()
 
     def _record_failure(self, what: str) -> str:
         """The line of a run out of memory (``what``: ``oom.describe``'s) with its step and the
@@ -590,8 +600,13 @@ class Trainer:
         if overwrite and jax.process_index() == 0:
             run_dirs.clear_run_dir(self.run_dir)
         wait_for_every_process("peakflat-run-dir-ready")
-        checkpoints = ckpt.Checkpoints(checkpoint_dir, config)
+        # Said before the state is made: its initialisation compiles (tens of seconds on a CPU).
+        first_step = saved_step if resume else 0
+        bar = report.Progress(self.total_steps, first_step, enabled=progress)
+        bar.write(self.banner(first_step))
+        checkpoints = ckpt.Checkpoints(checkpoint_dir, config, log=bar.write)
         self.timeline.mark("setup")
+        bar.status("restoring the checkpoint" if resume else "making the initial state")
         state = self.initial_state(abstract=resume)
         resumed_from = None
         if resume:
@@ -605,10 +620,12 @@ class Trainer:
         earlier = [r for r in report.read_records(self.run_dir)
                    if resumed_from is not None and r["step"] <= resumed_from]
         writer = report.MetricsWriter(self.run_dir, resume_step=resumed_from)
-        if jax.process_index() == 0:
-            (self.run_dir / "config.json").write_text(json.dumps(to_dict(config), indent=1))
-        bar = report.Progress(self.total_steps, state.step, enabled=progress)
-        bar.write(self.banner(state))
+        if jax.process_index() == 0:  # config.json as the run started; a resume's changes beside
+            changed = run_dirs.record_config(self.run_dir, to_dict(config),
+                                             resumed_from=resumed_from)
+            if changed:
+                bar.write(f"resumed with {run_dirs.describe_changes(changed)} (recorded in "
+                          f"{self.run_dir / 'config_changes.jsonl'})")
         tokens_per_step = config.data.batch_size * config.data.seq_len
         throughput = report.Throughput(config.model, self.mesh)  # FLOPs from each batch
         history = []
@@ -628,6 +645,9 @@ class Trainer:
                     valid = int(jnp.sum(batch["targets"] != IGNORE))
                     if not compiled:
                         self.timeline.mark("data")
+                        stop.during = "the compile"  # before it is said: a signal may follow
+                        bar.write("compiling the step's programs ...")
+                        bar.status("compiling")
                         started = time.perf_counter()
                         self.compile(state, batch)
                         each = ", ".join(f"{what} {seconds:.1f} s"
@@ -638,6 +658,9 @@ class Trainer:
                         wait_for_every_process("peakflat-compiled")
                         compiled = True
                         self.timeline.mark("compile")
+                        stop.during = None
+                        if stop.requested():  # a signal during the compile: no step runs
+                            break
                     if valid == 0:  # mean over no token: NaN; report it, keep the weights
                         bar.write(f"step {state.step + 1}: batch without a valid target, "
                                   f"skipped")
@@ -675,9 +698,10 @@ class Trainer:
                         state = self.flush(state)  # a checkpoint holds every update applied
                         checkpoints.save(state, self.batches, self.optimizer)
                         saved_step = state.step
-                # The end, a stop_after, or a signal: the last step saved too.
+                # The end, a stop_after, or a signal: the last step saved too (none where no
+                # step ran: the data iterator is past a batch that no step took).
                 state = self.flush(state)
-                if config.train.checkpoints and state.step != saved_step:
+                if config.train.checkpoints and state.step not in (saved_step, first_step):
                     checkpoints.save(state, self.batches, self.optimizer)
                     saved_step = state.step
         finally:
@@ -694,8 +718,9 @@ class Trainer:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         if stop.signum is not None:
             raise interrupts.Interrupted(stop.signum, state.step, self.total_steps, saved_step,
-                                         checkpoint_dir)
-        bar.write(format_summary(summary))
+                                         checkpoint_dir, trained=state.step != first_step)
+        bar.write(format_summary(summary) + f"\n  tensorboard --logdir "
+                  f"{shlex.quote(str(self.run_dir / 'tensorboard'))}")
         return summary
 
     def _finished_already(self, saved_step: int) -> dict:
@@ -708,7 +733,9 @@ class Trainer:
         path = self.run_dir / "summary.json"
         return json.loads(path.read_text()) if path.exists() else None
 
-    def banner(self, state: TrainState) -> str:
+    def banner(self, step: int) -> str:
+        """The run's first lines: the model, the devices, the operators, the step it starts
+        at and the run directory."""
         from peakflat_jax.model.size import parameter_counts
         from peakflat_jax.plan.operators import describe as describe_operators
 
@@ -720,7 +747,8 @@ class Trainer:
                 f"moe {ops.moe_dispatch}, loss {ops.loss}, offload {sum(self.offload)}/"
                 f"{len(self.offload)} boundaries, optimizer "
                 f"{self.optimizer_placement()}, attention "
-                f"{self.runtime.attention}; step {state.step} of {self.total_steps}"
+                f"{self.runtime.attention}; step {step} of {self.total_steps}"
+                + f"\nrun directory {self.run_dir}"
                 + (f"\n{chosen}" if (chosen := describe_operators(self.plan.choices)) else "")
                 + (f"\npinned-host pool limit {cap} GiB ({LIMIT_VARIABLE})"
                    if self.plan.platform == "gpu" and (cap := os.environ.get(LIMIT_VARIABLE))
