@@ -51,12 +51,9 @@ for stage in $STAGES; do case $stage in
     run setup 180 bash scripts/maxtext/setup.sh install .whl "$SITE"
     run kernels 240 env PYTHONPATH="$SITE" python3 scripts/maxtext/check_kernels.py \
       --json "$LOGS/kernels.json" --attention-context 131072
-    run kernels_fusion 120 env XLA_FLAGS=--xla_gpu_experimental_use_ragged_dot_fusion=true \
-      python3 scripts/maxtext/check_kernels.py --ragged-dot-fusion --json "$LOGS/kernels_fusion.json"
-    run donation 120 python3 scripts/maxtext/donation_repro.py
-    # MaxText's two memory settings that keep fp32 weights (ours keeps an fp32 master), then
-    # ours, at 32K; then the longest of the setting that reaches further, ours beside it.
-    bench peer32k --stacks maxtext:offload maxtext:offload+optimizer peakflat --at 32768 \
+    # MaxText's two memory settings that keep fp32 weights (ours keeps an fp32 master) and ours
+    # at 32K; then the longest of the setting that reaches further, ours beside it and at 4x.
+    bench peer32k --stacks maxtext:offload+optimizer peakflat maxtext:offload --at 32768 \
       --steps 5
     best=$(python3 - "$LOGS/end_to_end.json" <<'EOF'
 import json, sys
@@ -75,7 +72,10 @@ longest = json.load(open(sys.argv[1]))["longest"].get(sys.argv[2], {}).get("cont
 print("1 4" if 4 * longest <= 300_000 else "1")
 EOF
 )
-    bench ours_at_theirs --stacks peakflat --at-longest-of "$best" --scales $scales --steps 3 ;;
+    bench ours_at_theirs --stacks peakflat --at-longest-of "$best" --scales $scales --steps 3
+    run kernels_fusion 120 env XLA_FLAGS=--xla_gpu_experimental_use_ragged_dot_fusion=true \
+      python3 scripts/maxtext/check_kernels.py --ragged-dot-fusion --json "$LOGS/kernels_fusion.json"
+    run donation 120 python3 scripts/maxtext/donation_repro.py ;;
   extra)
     bench peer_extra --stacks maxtext:offload+bf16 maxtext:default --at 32768 --steps 5
     bench default16k --stacks maxtext:default --at 16384 --steps 5
