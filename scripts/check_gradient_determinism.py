@@ -27,6 +27,10 @@ which two different arrays share with negligible probability. The JSON record (`
 overrides, XLA_FLAGS, and per program its compile time, execution times, the leaves compared and,
 per execution, how many differed and the largest difference. One summary line goes to stdout; the
 exit status is 1 where any leaf differed.
+
+Memory beyond a training step's: the copy an execution consumes of the inputs its program donates
+(for h200-1's overlapped step the host-resident optimizer state, about 35 GB of host memory, and
+the params and pending gradients on the device) and the first execution's device outputs.
 """
 
 from __future__ import annotations
