@@ -29,12 +29,13 @@ plans, exit status 1; its summary.json says that it failed and why.
 from __future__ import annotations
 
 import argparse
-import glob
 import importlib
 import json
 import os
 import shlex
 import sys
+
+from peakflat_jax import _xla_cpu
 
 BENCHMARKS = {"ring_dtp": "peakflat_jax.bench.ring_dtp",
               "moe_dispatch": "peakflat_jax.bench.moe_dispatch",
@@ -138,21 +139,18 @@ def resume_command(argv: list[str]) -> str:
     return shlex.join(["peakflat", *words, "--resume"])
 
 
-CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-"""XLA:CPU's concurrency-optimized scheduler off: with it (jax 0.11.2's default) the trainer's
-gradient program with the ring loss, SCO offloading and PipelinedLLEP together gave wrong
-gradients on some executions of one executable, the loss right (docs/hf.md holds the record).
-XLA reads it once per process, before its backends start, so it is set here; only on a machine
+CPU_SCHEDULER_FLAG = _xla_cpu.CPU_SCHEDULER_FLAG
+"""XLA:CPU's concurrency-optimized scheduler off: under it (jax 0.11.2's default) XLA:CPU paired
+two different all-to-alls of the trainer's gradient program with PipelinedLLEP, the ring loss
+and SCO (a conditional's exchange and an independent one, both keyed by channel 1), and some
+executions gave wrong gradients, the loss right (docs/cpu_scheduler.md). XLA reads it once per
+process, before its backends start: ``import peakflat_jax`` sets it (``peakflat_jax._xla_cpu``),
+and so does every command here, ``PEAKFLAT_KEEP_CPU_SCHEDULER`` notwithstanding; only on a machine
 without NVIDIA GPUs (``has_nvidia_gpus``). There the CPU backend runs no model program, only the
 host-CPU AdamW's update (``optimizer.update_on: host_cpu``), which the flag serializes: its
 schedule then chains a leaf's chunks one after another, 2 loops side by side where 16 may run
 (``tests/test_train_optimizer.py::test_a_leafs_chunks_run_side_by_side``)."""
-
-
-def has_nvidia_gpus() -> bool:
-    """Whether the machine shows an NVIDIA GPU device node (``/dev/nvidia0``, ...): read before
-    any backend starts."""
-    return bool(glob.glob("/dev/nvidia[0-9]*"))
+has_nvidia_gpus = _xla_cpu.has_nvidia_gpus
 
 GPU_HOST_COPIES_FLAG = "--xla_gpu_experimental_parallel_async_compute_limit=8"
 """How many host copies XLA:GPU's latency-hiding scheduler keeps in flight beside compute: 8,

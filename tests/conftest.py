@@ -1,5 +1,7 @@
-"""Eight simulated CPU devices, made before jax is imported anywhere; a seeded numpy Generator
-per test."""
+"""Eight simulated CPU devices, made before jax is imported anywhere; XLA:CPU's default
+scheduler kept (``import peakflat_jax`` would turn it off: the operators' memory tests hold XLA's
+default plans, and tests that need the other scheduler run a child process with its flag); a
+seeded numpy Generator per test."""
 
 import math
 import os
@@ -8,6 +10,7 @@ import zlib
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("PEAKFLAT_KEEP_CPU_SCHEDULER", "1")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
