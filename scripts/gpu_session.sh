@@ -12,8 +12,8 @@
 #               memory settings at 32K, its longest context, ours at 32K, at MaxText's longest
 #               and at 4x it; the record is $LOGS/end_to_end.json
 #   extra       MaxText's default and bf16 settings, ours at 64K (after the decisive probes)
-#   determinism scripts/check_gradient_determinism.py where it exists: the gradient program and
-#               the overlapped step executed 16 times on the same inputs
+#   determinism scripts/check_gradient_determinism.py: h200-1's gradient program and overlapped
+#               step, the operators on, executed 16 times on the same inputs
 #   depth       scripts/gpu/compile_depth.sh where it exists: compile time against depth
 # DEADLINE_MIN bounds the bench's probes (none starts after it). OVERRIDES: config overrides of
 # h200-e2e for both stacks (the peer's model follows ours), e.g. a cut model on a smaller card:
@@ -81,8 +81,8 @@ EOF
     bench default16k --stacks maxtext:default --at 16384 --steps 5
     bench ours64k --stacks peakflat --at 65536 --steps 4 ;;
   determinism)
-    (( $(left) > 0 )) && [[ -f scripts/check_gradient_determinism.py ]] && run determinism 420 \
-      python3 scripts/check_gradient_determinism.py --out "$LOGS/determinism.json" ;;
+    (( $(left) > -180 )) && run determinism 420 python3 scripts/check_gradient_determinism.py \
+      h200-1 --executions 16 --commit "$PEAKFLAT_COMMIT" --out "$LOGS/determinism.json" ;;
   depth)
     (( $(left) > 0 )) && [[ -f scripts/gpu/compile_depth.sh ]] && LOGS="$LOGS" run depth 420 \
       bash scripts/gpu/compile_depth.sh ;;
