@@ -82,7 +82,8 @@ EOF
     bench ours64k --stacks peakflat --at 65536 --steps 4 ;;
   determinism)
     (( $(left) > -180 )) && run determinism 420 python3 scripts/check_gradient_determinism.py \
-      h200-1 --executions 16 --commit "$PEAKFLAT_COMMIT" --out "$LOGS/determinism.json" ;;
+      h200-1 ${DETERMINISM_OVERRIDES:-} --executions 16 --commit "$PEAKFLAT_COMMIT" \
+      --out "$LOGS/determinism.json" ;;
   depth)
     (( $(left) > 0 )) && [[ -f scripts/gpu/compile_depth.sh ]] && LOGS="$LOGS" run depth 420 \
       bash scripts/gpu/compile_depth.sh ;;
