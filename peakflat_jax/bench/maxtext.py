@@ -181,14 +181,21 @@ _ERROR = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|OOM|Error:|Exception:|
 
 def parse_log(text: str) -> dict:
     """What one probe's log (``run_maxtext.py``'s output: every line stamped with the seconds of
-    a monotonic clock) says: the steps completed, their losses, the step time from the stamps of
-    consecutive steps (MaxText's own ``seconds`` is the time to dispatch a step, not to run it),
-    XLA's compiled estimate, the device's and host's peaks, and the last error lines."""
-    steps = [(int(m["step"]), float(m["t"]), m["loss"]) for m in _STEP.finditer(text)]
-    stamps = [t for _, t, _ in steps]
+    a monotonic clock) says: the steps completed, their losses, the step time, XLA's compiled
+    estimate, the device's and host's peaks, and the last error lines.
+
+    MaxText logs a step's line one step late, once it has read the step's loss, so when the step
+    has finished: the gap between two consecutive lines is the later step's time. Its last line
+    comes from the flush after the loop, whose gap is not a step's, and its first gap holds the
+    first step's warm-up where more gaps are left: the step time is the median of the others
+    (``step_gaps_s`` keeps them all, MaxText's own per-step ``seconds`` beside them)."""
+    steps = [(int(m["step"]), float(m["t"]), m["loss"], float(m["seconds"]))
+             for m in _STEP.finditer(text)]
+    stamps = [t for _, t, _, _ in steps]
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    # The first gap holds the first step's warm-up: timed steps are the later ones.
-    timed = gaps[1:] or gaps
+    timed = gaps[:-1]
+    if len(timed) > 2:
+        timed = timed[1:]
 
     def last(pattern: str) -> float | None:
         found = re.findall(pattern, text)
@@ -196,11 +203,12 @@ def parse_log(text: str) -> dict:
 
     errors = [line.strip()[:300] for line in text.splitlines() if _ERROR.search(line)][-3:]
     return {
-        "steps_done": len(steps), "losses": [_number(loss) for _, _, loss in steps],
+        "steps_done": len(steps), "losses": [_number(loss) for _, _, loss, _ in steps],
         "step_s": statistics.median(timed) if timed else None,
-        "step_gaps_s": gaps,
-        "xla_estimate_bytes": _gb(last(r"Total estimated memory size: ([\d.]+) GB")),
-        "peak_bytes": _gib(last(r"PEER_PEAK_BYTES_GIB=([\d.]+)")),
+        "step_gaps_s": gaps, "maxtext_seconds": [seconds for *_, seconds in steps],
+        # MaxText prints XLA's plan in GiB, labelled GB (max_utils.print_compiled_memory_stats).
+        "xla_estimate_bytes": _gib(last(r"Total estimated memory size: ([\d.]+) GB")),
+        "peak_bytes": _gib(last(r"PEER_PEAK_BYTES_GIB=([\d.]+)")) or None,
         "limit_bytes": _gib(last(r"PEER_LIMIT_BYTES_GIB=([\d.]+)")),
         "host_peak_bytes": _gib(last(r"PEER_HOST_PEAK_GIB=([\d.]+)")),
         "parameters": _billions(last(r"number parameters: ([\d.]+) billion")),
@@ -220,10 +228,6 @@ def _number(text: str) -> float | None:
         return float(text)
     except ValueError:
         return None
-
-
-def _gb(value: float | None) -> int | None:
-    return None if value is None else int(value * 1e9)
 
 
 def _gib(value: float | None) -> int | None:

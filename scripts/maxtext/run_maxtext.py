@@ -27,6 +27,7 @@ import atexit
 import os
 import resource
 import sys
+import threading
 import time
 
 
@@ -55,18 +56,34 @@ class StampedLines:
         return getattr(self.stream, name)
 
 
+PEAKS = {"peak": 0, "limit": 0, "device": ""}
+
+
+def watch_device_memory(period: float = 0.5) -> None:
+    """Reads the allocator's peak every ``period`` seconds once jax has a backend, keeping the
+    largest: MaxText's exit resets the statistics before an exit hook could read them."""
+    import jax
+    from jax._src import xla_bridge
+
+    while True:
+        time.sleep(period)
+        if not xla_bridge.backends_are_initialized():
+            continue
+        try:
+            device = jax.local_devices()[0]
+            stats = device.memory_stats() or {}
+        except Exception:  # the backend going away at exit
+            return
+        PEAKS["peak"] = max(PEAKS["peak"], stats.get("peak_bytes_in_use", 0))
+        PEAKS["limit"] = stats.get("bytes_limit", PEAKS["limit"])
+        PEAKS["device"] = device.device_kind
+
+
 def report_peaks() -> None:
     gib = 2**30
-    try:
-        import jax
-
-        for device in jax.local_devices():
-            stats = device.memory_stats() or {}
-            print(f"PEER_PEAK_BYTES_GIB={stats.get('peak_bytes_in_use', 0) / gib:.3f} "
-                  f"PEER_LIMIT_BYTES_GIB={stats.get('bytes_limit', 0) / gib:.3f} "
-                  f"device={device.device_kind}", flush=True)
-    except Exception as error:  # the run's own failure is what the log is for
-        print(f"PEER_PEAK unavailable: {error!r}", flush=True)
+    print(f"PEER_PEAK_BYTES_GIB={PEAKS['peak'] / gib:.3f} "
+          f"PEER_LIMIT_BYTES_GIB={PEAKS['limit'] / gib:.3f} device={PEAKS['device']}",
+          flush=True)
     print(f"PEER_HOST_PEAK_GIB={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.3f}",
           flush=True)
 
@@ -106,6 +123,7 @@ if __name__ == "__main__":
     sys.stdout = StampedLines(sys.stdout)
     sys.stderr = StampedLines(sys.stderr)
     atexit.register(report_peaks)
+    threading.Thread(target=watch_device_memory, daemon=True).start()
     from absl import app
     from maxtext.trainers.pre_train import train
 
