@@ -5,8 +5,9 @@ four operators on by default).
     python scripts/check_gradient_determinism.py [CONFIG] [section.field=value ...]
         [--executions 16] [--out PATH]
 
-CONFIG (default ``h200-1``) gets ``DEFAULT_OVERRIDES`` (the four operators forced on) and then
-the given overrides (``data.seq_len=16384``, say). The process's XLA flags are the ones
+CONFIG (default ``h200-1``) gets ``DEFAULT_OVERRIDES`` (the four operators forced on, every
+optimizer group streamed: none resident on the device, where the copies below would not fit) and
+then the given overrides (``data.seq_len=16384``, say). The process's XLA flags are the ones
 ``peakflat train`` sets (``cli.prepare_environment``). Two programs are built by the trainer
 itself (``Trainer.gradient_program``, ``Trainer.compile``) and executed ``--executions`` times
 each on the same inputs, never chained:
@@ -30,7 +31,9 @@ exit status is 1 where any leaf differed.
 
 Memory beyond a training step's: the copy an execution consumes of the inputs its program donates
 (for h200-1's overlapped step the host-resident optimizer state, about 35 GB of host memory, and
-the params and pending gradients on the device) and the first execution's device outputs.
+the params and pending gradients on the device) and the first execution's device outputs. The
+pinned-host pool must hold the streamed state twice: set ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``
+(100 for h200-1 on a 125 GiB host) where the trainer's planned cap, sized for one copy, is less.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ sys.path.insert(0, str(REPO))
 from peakflat_jax import cli  # noqa: E402  (the package sets the CPU scheduler flag, as peakflat)
 
 DEFAULT_OVERRIDES = ("operators.moe_dispatch=pipelined", "operators.loss=ring",
-                     "operators.offload=all", "operators.optimizer_offload=true")
+                     "operators.offload=all", "operators.optimizer_offload=true",
+                     "optimizer.resident_groups=0")
 
 
 def commit() -> str:

@@ -7,11 +7,12 @@
 #   STAGES="peer ours" bash scripts/gpu_session.sh      # default: every stage, in this order
 #
 # Stages:
-#   peer        MaxText beside peakflat on h200-e2e (scripts/bench_end_to_end.py): the kernels
-#               both lean on (scripts/maxtext/check_kernels.py, the donation check), MaxText's
-#               memory settings at 32K, its longest context, ours at 32K, at MaxText's longest
-#               and at 4x it; the record is $LOGS/end_to_end.json
-#   extra       MaxText's default and bf16 settings, ours at 64K (after the decisive probes)
+#   peer        MaxText beside peakflat on h200-e2e (scripts/bench_end_to_end.py): MaxText with
+#               its layer inputs and AdamW state offloaded and ours at 32K, that setting's
+#               longest context, ours at it and at 4x it; the record is $LOGS/end_to_end.json
+#   extra       MaxText's other settings (AdamW on the device, bf16 weights, its default) at
+#               32K and 16K, ours at 64K
+#   kernels     the kernels both lean on (scripts/maxtext/check_kernels.py), the donation check
 #   determinism scripts/check_gradient_determinism.py: h200-1's gradient program and overlapped
 #               step, the operators on, executed 16 times on the same inputs
 #   depth       scripts/gpu/compile_depth.sh where it exists: compile time against depth
@@ -22,7 +23,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 LOGS="${LOGS:-/tmp/gpu-logs}"; mkdir -p "$LOGS"
-STAGES="${STAGES:-peer extra determinism depth}"
+STAGES="${STAGES:-peer determinism depth extra kernels}"
 DEADLINE_MIN="${DEADLINE_MIN:-16}"
 SITE=/tmp/maxtext-site
 T0=$(date +%s)
@@ -49,21 +50,18 @@ bench() {  # bench NAME ARGS...: scripts/bench_end_to_end.py on h200-e2e, the on
 for stage in $STAGES; do case $stage in
   peer)
     run setup 180 bash scripts/maxtext/setup.sh install .whl "$SITE"
-    run kernels 240 env PYTHONPATH="$SITE" python3 scripts/maxtext/check_kernels.py \
-      --json "$LOGS/kernels.json" --attention-context 131072
-    # MaxText's two memory settings that keep fp32 weights (ours keeps an fp32 master) and ours
-    # at 32K; then the longest of the setting that reaches further, ours beside it and at 4x.
-    bench peer32k --stacks maxtext:offload+optimizer peakflat maxtext:offload --at 32768 \
-      --steps 5
-    best=$(python3 - "$LOGS/end_to_end.json" <<'EOF'
+    # MaxText's setting that keeps fp32 weights (ours keeps an fp32 master) and its AdamW state
+    # off the device, and ours, at 32K; then that setting's longest, ours beside it and at 4x.
+    bench peer32k --stacks maxtext:offload+optimizer peakflat --at 32768 --steps 5
+    start=$(python3 - "$LOGS/end_to_end.json" <<'EOF'
 import json, sys
 probes = json.load(open(sys.argv[1]))["probes"]
-fit = {p["stack"] for p in probes if p["fits"] and p["context"] == 32768}
-print("maxtext:offload+optimizer" if "maxtext:offload+optimizer" in fit else "maxtext:offload")
+print(65536 if any(p["fits"] and p["context"] == 32768 and p["stack"].startswith("maxtext")
+                   for p in probes) else 16384)
 EOF
 )
-    echo "MaxText's setting searched: $best"
-    bench peer_longest --longest "$best" --start 65536 --steps 3 --headroom 0.03
+    best=maxtext:offload+optimizer
+    bench peer_longest --longest "$best" --start "$start" --steps 3 --headroom 0.03
     # 4x theirs where a step there takes minutes, not tens of minutes (ours' steps grow with
     # the square of the context: 36 s at 262,144, 260 s at 741,848 on an H200).
     scales=$(python3 - "$LOGS/end_to_end.json" "$best" <<'EOF'
@@ -72,21 +70,27 @@ longest = json.load(open(sys.argv[1]))["longest"].get(sys.argv[2], {}).get("cont
 print("1 4" if 4 * longest <= 300_000 else "1")
 EOF
 )
-    bench ours_at_theirs --stacks peakflat --at-longest-of "$best" --scales $scales --steps 3
+    bench ours_at_theirs --stacks peakflat --at-longest-of "$best" --scales $scales --steps 3 ;;
+  kernels)
+    run kernels 150 env PYTHONPATH="$SITE" python3 scripts/maxtext/check_kernels.py \
+      --json "$LOGS/kernels.json" --attention-context 131072
     run kernels_fusion 120 env XLA_FLAGS=--xla_gpu_experimental_use_ragged_dot_fusion=true \
       python3 scripts/maxtext/check_kernels.py --ragged-dot-fusion --json "$LOGS/kernels_fusion.json"
     run donation 120 python3 scripts/maxtext/donation_repro.py ;;
   extra)
-    bench peer_extra --stacks maxtext:offload+bf16 maxtext:default --at 32768 --steps 5
+    bench peer_extra --stacks maxtext:offload maxtext:offload+bf16 maxtext:default --at 32768 \
+      --steps 5
     bench default16k --stacks maxtext:default --at 16384 --steps 5
     bench ours64k --stacks peakflat --at 65536 --steps 4 ;;
   determinism)
-    (( $(left) > -180 )) && run determinism 420 python3 scripts/check_gradient_determinism.py \
-      h200-1 ${DETERMINISM_OVERRIDES:-} --executions 16 --commit "$PEAKFLAT_COMMIT" \
-      --out "$LOGS/determinism.json" ;;
-  depth)
-    (( $(left) > 0 )) && [[ -f scripts/gpu/compile_depth.sh ]] && LOGS="$LOGS" run depth 420 \
-      bash scripts/gpu/compile_depth.sh ;;
+    run determinism 360 env XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB="${DETERMINISM_POOL_GB:-100}" \
+      python3 scripts/check_gradient_determinism.py h200-1 \
+      ${DETERMINISM_OVERRIDES:-data.seq_len=32768} --executions 16 \
+      --commit "$PEAKFLAT_COMMIT" --out "$LOGS/determinism.json" ;;
+  depth)  # DEPTH_TREE: another tree's compile_depth.sh (a branch's, carried in .gpu/)
+    tree="${DEPTH_TREE:-.}"
+    [[ -f "$tree/scripts/gpu/compile_depth.sh" ]] && LOGS="$LOGS" run depth 420 \
+      bash "$tree/scripts/gpu/compile_depth.sh" ;;
   *) echo "unknown stage $stage" ;;
 esac; done
 echo "all done t=$(( $(date +%s) - T0 )) s"

@@ -66,6 +66,11 @@ def timed(fn, *args, repeats=10) -> float:
     return float(np.median(samples))
 
 
+def stamp(what: str) -> None:
+    """A progress line on stderr (a stage that times out says where it was)."""
+    print(f"{time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
+
+
 def grouped_matmul_cases(paths) -> list[dict]:
     rng = np.random.default_rng(int(time.time()))
     sizes = groups(rng)
@@ -75,7 +80,8 @@ def grouped_matmul_cases(paths) -> list[dict]:
     rhs = (jax.random.normal(k2, (GROUPS, K, N), jnp.float32) / np.sqrt(K)).astype(jnp.bfloat16)
     cotangent = jax.random.normal(k3, (ROWS, N), jnp.float32)
     sizes_j = jnp.asarray(sizes, jnp.int32)
-    ref = reference(lhs, rhs, sizes, cotangent)
+    stamp("fp32 reference")
+    ref = jax.block_until_ready(reference(lhs, rhs, sizes, cotangent))
     results = []
     for name, matmul in paths.items():
         def loss(x, w, matmul=matmul):
@@ -83,6 +89,7 @@ def grouped_matmul_cases(paths) -> list[dict]:
             return jnp.sum(out.astype(jnp.float32) * cotangent), out
 
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+        stamp(name)
         try:
             (_, out), (dlhs, drhs) = jax.block_until_ready(step(lhs, rhs))
             seconds = timed(step, lhs, rhs)
@@ -102,6 +109,7 @@ def tokamax_paths() -> dict:
     from absl import flags
 
     flags.FLAGS(sys.argv[:1])  # tokamax reads absl flags on first use
+    stamp("import tokamax")
     import tokamax
 
     def path(implementation):
@@ -138,6 +146,7 @@ def attention_case(context: int, heads: int = 16, kv_heads: int = 4, head_dim: i
 
     forward_flops = 4 * context * (context + 1) / 2 * heads * head_dim
     result = {"context": context, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+    stamp(f"attention at {context}")
     for name, fn, flops in (("forward", attend, forward_flops),
                             ("forward_backward", train, 3 * forward_flops),
                             ("recompute_forward_backward", remat_train, 3 * forward_flops)):
