@@ -125,11 +125,11 @@ def test_the_trainer_runs_the_plans_choice():
 
 @pytest.mark.parametrize("overrides, loop", [
     ([], "scan"),  # nothing streams: one layer compiled whatever the depth
-    (["operators.optimizer_offload=true"], "unrolled"),  # overlapped: straight-line copies
+    (["operators.optimizer_offload=true"], "scan"),  # overlapped: made in the iteration before
     (["operators.optimizer_offload=true", "operators.optimizer_overlap=false"], "scan"),
-    (["operators.optimizer_offload=true", "operators.layer_loop=scan"], "scan"),  # forced
+    (["operators.optimizer_offload=true", "operators.layer_loop=unrolled"], "unrolled"),  # set
 ])
-def test_the_layer_loop_follows_the_optimizer_stream(overrides, loop):
+def test_auto_scans_the_layers_whatever_the_optimizer_stream(overrides, loop):
     assert plan_of(overrides).config.operators.layer_loop == loop
 
 

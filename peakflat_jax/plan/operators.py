@@ -123,23 +123,17 @@ def choose_operators(config: Config, num_devices: int, *, context: int | None,
 
 
 def choose_layer_loop(config: Config, knobs, platform: str) -> tuple[Config, list[Choice]]:
-    """``operators.layer_loop: auto`` resolved for a config whose operators are chosen:
-    ``unrolled`` where the offloaded optimizer's update runs inside the next step's forward
-    (XLA overlaps host copies with compute in straight-line code, not across a while loop's
-    iterations, and a scanned stack's stacked weights wait for every bucket: on an H200 h200-1
-    stepped in 1.83 s unrolled against 2.96 s scanned, docs/compile.md); else ``scan`` (one
-    layer compiled whatever the depth); always ``scan`` on CPUs, where the host copies lower to
-    nothing. The two hold the same device memory on a GPU (the unrolled stack's hoisted MoE
-    loop zeros are gone since ``pipelined_moe._zeros_after``: docs/plan.md), so the loop is
-    never chosen for memory. ``knobs``: the plan's."""
+    """``operators.layer_loop: auto`` resolved for a config whose operators are chosen: ``scan``
+    (one layer compiled whatever the depth), also where the offloaded optimizer's update runs
+    inside the next step's forward: each MoE layer's update is then made in the loop iteration
+    of the layer before (``sco.MadeInScan``), its host copies in straight-line code beside that
+    layer's compute, where XLA overlaps them; the unrolled loop's compile grows with depth
+    (docs/compile.md). ``unrolled`` is taken only where set. ``knobs``: the plan's."""
     if config.operators.layer_loop != "auto":
         return config, []
-    # Offloaded, overlapped, with MoE layers to hide under, on a machine with host copies.
     loop = auto_layer_loop(knobs, platform)
-    why = ("chosen: the offloaded optimizer's stream overlaps the forward only in straight-line "
-           "code (compile time grows with depth)" if loop == "unrolled"
-           else "chosen: no optimizer stream to overlap here; one layer compiled whatever the "
-                "depth")
+    why = ("chosen: one layer compiled whatever the depth; an overlapped optimizer's update is "
+           "made in the loop iteration before each layer")
     return config.replace(operators={"layer_loop": loop}), [Choice("operators.layer_loop",
                                                                    loop, why)]
 

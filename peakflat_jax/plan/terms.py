@@ -762,9 +762,9 @@ CUDNN_FIXED_SCRATCH = 17_152
 
 def auto_layer_loop(knobs: Knobs, platform: str) -> str:
     """What ``operators.layer_loop: auto`` resolves to (``plan.operators.choose_layer_loop``
-    says why): ``unrolled`` where the offloaded optimizer's stream overlaps the forward on a
-    GPU, else ``scan``."""
-    return "unrolled" if knobs.optimizer_overlap and platform == "gpu" else "scan"
+    says why): ``scan`` everywhere, the offloaded optimizer's stream overlapped with the forward
+    included (each MoE layer's update made in the loop iteration before it)."""
+    return "scan"
 
 
 def packed_attention_runs(config: Config) -> int:
