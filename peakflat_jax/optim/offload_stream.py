@@ -507,6 +507,12 @@ class OffloadStream:
             elif row is not None:
                 stacks = (master, streamed)
                 master, streamed = _row(stacks, row)
+            if row is not None:
+                # The row made before its readers: fused into each of them, the slice had them
+                # all read the block's arrays, which then had to be copied whole before the row
+                # was written back into them (XLA:CPU copied every array of the block, every
+                # layer).
+                master, streamed = lax.optimization_barrier((master, streamed))
             if after is not None:  # the update waits for `after`, its copies do not
                 (master, streamed), _ = lax.optimization_barrier(((master, streamed), after))
             local = placement.local(

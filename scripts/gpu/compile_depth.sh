@@ -89,7 +89,7 @@ if [ "${FULL:-0}" = 1 ]; then compile32 unrolled 330; fi
 python3 - "$OUT" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-by = {r["stage"]: r for r in rows}
+by = {r.get("stage") or f"compile{r['num_layers']}_{r['layer_loop']}": r for r in rows}
 def compile_of(row):
     if row is None or row.get("rc", 0):
         return None
