@@ -3,8 +3,8 @@ process, the compile's seconds as the trainer prints them (wall) and the process
 over the same compile (every thread: on a machine shared with other work the wall time follows
 the load, the CPU time much less).
 
-    python scripts/bench_compile_depth.py tiny --layers 4 8 16 32 --repeats 2 \
-        --out scripts/results/compile_depth_tiny_cpu.json [-- more overrides]
+    python scripts/bench_compile_depth.py tiny [more overrides] --layers 4 8 16 32 \
+        --repeats 2 --out scripts/results/compile_depth_tiny_cpu.json
 
 Runs ``peakflat train CONFIG model.num_layers=L --no-progress train.steps=1
 train.checkpoints=false --overwrite --run-dir DIR`` for each depth, the depths interleaved

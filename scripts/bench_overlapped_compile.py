@@ -6,11 +6,12 @@ optimizer state the host could not hold still compiles.
         operators.optimizer_offload=true optimizer.resident_groups=0 [--out FILE]
 
 Prints one JSON line (and appends it to ``--out``): the command, the commit, the device, the
-layer loop, the seconds of lowering and XLA's compile, the lowered program's lines and XLA's
-memory plan. The memory checks are lifted (``train.device_memory_gib`` and
-``train.host_memory_gib`` are set past any machine): give ``optimizer.resident_groups``, or the
-planner keeps every group on the device it believes so large. Run each depth in a fresh
-process: jaxlib's kernel cache would carry Mosaic kernels from one compile to the next.
+layer loop, the seconds of lowering and XLA's compile, the lowered program's lines, the compiled
+program's HLO instructions and XLA's memory plan. The memory checks are lifted
+(``train.device_memory_gib`` and ``train.host_memory_gib`` are set past any machine): give
+``optimizer.resident_groups``, or the planner keeps every group on the device it believes so
+large. Run each depth in a fresh process: jaxlib's kernel cache would carry Mosaic kernels from
+one compile to the next.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -78,6 +80,8 @@ def main() -> int:
         "lower_seconds": lowered_at - ready,
         "compile_seconds": compiled_at - lowered_at,
         "lowered_lines": sum(" = " in line for line in lowered.as_text().splitlines()),
+        "hlo_instructions": sum(1 for line in compiled.as_text().splitlines()
+                                if re.match(r"\s+(ROOT )?%?[\w.\-]+ = ", line)),
         "xla_plan_bytes": plan.total,
         "xla_temp_bytes": plan.temp,
     }
