@@ -25,6 +25,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1 PEAKFLAT_JAX_CACHE=
+# XLA's own pinned-host pool limit for both loops: the trainer's planned cap is made from one
+# array per bucket (plan.host_pool), the scanned stack's state arrays hold a block's layers each.
+export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=64
 export PEAKFLAT_COMMIT="${PEAKFLAT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 LOGS="${LOGS:-/tmp/gpu-logs}"; mkdir -p "$LOGS"
 OUT="$LOGS/compile_depth.jsonl"
