@@ -291,11 +291,11 @@ class OperatorsConfig:
     planner's choice."""
     optimizer_overlap: bool = True
     """With the offloaded optimizer: apply each step's update inside the next step's program
-    (the same numbers as updating after the backward). With ``layer_loop: unrolled`` each MoE
-    layer's update runs just before its forward, so that the later layers' host traffic runs
-    under it; with ``scan`` the stacked MoE weights wait for all their updates, and only the
-    other weights' traffic can run under the layers. False: the optimizer's own program after
-    the gradients."""
+    (the same numbers as updating after the backward). Each MoE layer's update runs while the
+    layer before it computes, so that the layers' host traffic runs under the forward: unrolled,
+    in straight-line code; scanned, in the loop iteration of the layer before, its state a row
+    of the optimizer's stacked blocks (``sco.MadeInScan``). False: the optimizer's own program
+    after the gradients."""
     optimizer_writeback: Literal["forward", "backward"] = "forward"
     """With the overlapped optimizer, when each bucket's new master and state go back to the
     host: ``forward``, as the buckets are updated (the slot chain: at most ``optimizer.slots``
@@ -307,11 +307,10 @@ class OperatorsConfig:
     """Attention kernel: cuDNN flash attention on GPU, XLA elsewhere (``auto``)."""
     layer_loop: Literal["auto", "scan", "unrolled"] = "auto"
     """How the layer stack is traced (``pf.sco_scan``'s ``loop``): ``scan`` compiles one layer
-    whatever the depth; ``unrolled`` traces every layer (compile time grows with depth), and XLA
-    overlaps host copies with the layers' compute only there; ``auto``: ``unrolled`` where the
-    offloaded optimizer is overlapped with the forward on a GPU (on an H200, h200-1 stepped in
-    1.83 s unrolled against 2.96 s scanned), else ``scan`` (``plan.operators.choose_layer_loop``;
-    on a GPU the two hold the same device memory)."""
+    whatever the depth (with the overlapped optimizer, one layer and the next layer's update);
+    ``unrolled`` traces every layer (compile time grows with depth); ``auto``: ``scan``
+    (``plan.operators.choose_layer_loop``). XLA overlaps host copies with compute within
+    straight-line code, which the unrolled stack is and a scanned iteration's body is."""
 
     @property
     def chosen_by_planner(self) -> tuple[str, ...]:

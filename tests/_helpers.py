@@ -26,6 +26,22 @@ def relative_error(actual, expected) -> float:
     return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
 
 
+def optimizer_state_values(state) -> list:
+    """An ``OffloadStreamState``'s values as numpy arrays, group by group and bucket by bucket
+    (a stacked block's groups read row by row), then its shared state: what two states of
+    different layouts (stacked or not, another residency) are compared by."""
+    import jax
+
+    values = []
+    for index in range(len(state.layout.groups)):
+        group = state.group(index)
+        take = (lambda a: np.asarray(jax.device_get(a))) if group.row is None else (
+            lambda a, row=group.row: np.asarray(jax.device_get(a))[row])
+        values.append([take(a) for a in jax.tree.leaves((group.master, group.streamed))])
+    values.append([np.asarray(jax.device_get(a)) for a in state.shared])
+    return values
+
+
 def iter_jaxprs(jaxpr) -> Iterator:
     """A jaxpr and every jaxpr nested in it (scan, cond, custom_vjp, shard_map bodies...)."""
     yield jaxpr

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import iter_jaxprs
+from _helpers import iter_jaxprs, optimizer_state_values
 from conftest import make_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -462,3 +462,88 @@ def test_a_residency_past_the_groups_is_refused(rng, resident):
                                          r"layout's 3 groups"):
         offload_stream(optax.sgd(1e-3)).init(make_params(rng), stacked_layers=STACKED,
                                              resident_groups=resident)
+
+
+# -- stacked layers: a block's buckets as rows of arrays, a loop over its layers ------------------
+
+
+def scanned_step(opt, grads, state, write_back=True):
+    """What the trainer's scanned stack does inside its program: the unstacked groups one by
+    one, then each stacked block's layers by a ``lax.scan`` over its rows (the row traced), the
+    block threaded through the loop; without ``write_back`` the streamed rows are gathered on
+    the device and go back together after every group's new leaves."""
+    layout = state.layout
+    scalars = opt.step_scalars(grads, state)
+    grad_leaves = jax.tree.leaves(grads)
+    units, leaves = {}, {}
+    for index in range(len(layout.groups)):
+        if layout.block_of(index) is None:
+            leaves[index], units[index] = opt.update_group(
+                layout.group_leaves(grads, index), state.group(index), scalars,
+                write_back=write_back)
+    for block in layout.blocks:
+        group = layout.groups[block.first_group]
+        gathered = None if write_back or block.resident else state.block(block).device_zeros()
+
+        def body(carry, row, group=group):
+            block_state, gathered = carry
+            grads = [jax.lax.dynamic_index_in_dim(grad_leaves[i], group.layer + row, 0,
+                                                  keepdims=False) for i in group.leaves]
+            new_leaves, new = opt.update_group(grads, block_state.group(row), scalars,
+                                               slot_chain=[] if write_back else None,
+                                               write_back=write_back)
+            if new.row is None:
+                gathered = gathered.with_row(row, new)
+            else:
+                block_state = new.stacks()
+            return (block_state, gathered), new_leaves
+
+        (block_state, gathered), stacked = jax.lax.scan(
+            body, (state.block(block), gathered), jnp.arange(block.num_layers))
+        units[block] = block_state if gathered is None else gathered
+        for row in range(block.num_layers):
+            leaves[block.first_group + row] = [leaf[row] for leaf in stacked]
+    if not write_back:
+        units = {key: opt.write_back(unit, after=leaves) for key, unit in units.items()}
+    return (layout.merge_groups([leaves[i] for i in range(len(layout.groups))]),
+            opt.new_state(state, [units[u] for u in layout.units()], scalars))
+
+
+@pytest.mark.parametrize("mesh_axes", [None, (("data", 2), ("model", 4))])
+def test_stacked_layers_change_no_bit(rng, mesh_axes):
+    """The layer groups' buckets stacked, a block per residency (``stack_layers``): the whole
+    step, and a loop over each block's rows (written back as updated or after every group),
+    give the unstacked state's working params, masters, moments and shared state bit for bit,
+    streamed or with the outer group and the first layer resident; each block's arrays in its
+    memory kind, a row per layer. A checkpoint's metadata of one layout refuses the other."""
+    params, opt, grads, whole_params, whole = streamed_case(rng, mesh_axes, steps=2)
+    for resident in (0, 2):
+        state = opt.init(params, stacked_layers=STACKED, resident_groups=resident,
+                         stack_layers=True)
+        layout = state.layout
+        blocks = [(b.first_group, b.stop_group, b.resident) for b in layout.blocks]
+        assert blocks == ([(1, 3, False)] if resident == 0 else [(1, 2, True), (2, 3, False)])
+        kinds = [a.sharding.memory_kind for a in state.master]
+        assert kinds == list(layout.memory_kinds())
+        assert all(a.shape[0] == b.num_layers for b in layout.blocks
+                   for a in state.master[b.first_array:][:len(layout.groups[1].bucket_sizes)])
+        for g in grads:
+            new_params, state = opt.step(g, state)
+        assert [a.sharding.memory_kind for a in state.master] == kinds
+        assert_tree_close(new_params, whole_params, rtol=0)
+        assert_tree_close(optimizer_state_values(state), optimizer_state_values(whole), rtol=0)
+        for write_back in (True, False):
+            state = opt.init(params, stacked_layers=STACKED, resident_groups=resident,
+                             stack_layers=True)
+            in_one = jax.jit(lambda g, s, w=write_back: scanned_step(opt, g, s, w),
+                             out_shardings=(None, opt.state_shardings(state)))
+            for g in grads:
+                leaves, state = in_one(g, state)
+            assert [a.sharding.memory_kind for a in state.master] == kinds
+            assert_tree_close(jax.tree.unflatten(layout.treedef, leaves), whole_params, rtol=0)
+            assert_tree_close(optimizer_state_values(state), optimizer_state_values(whole),
+                              rtol=0)
+    with pytest.raises(ValueError, match="stacked_blocks"):
+        opt.check_metadata(state, opt.state_metadata(whole))
+    with pytest.raises(ValueError, match="stack_layers: expected layer groups"):
+        opt.init(params, stack_layers=True)

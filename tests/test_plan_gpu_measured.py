@@ -19,7 +19,22 @@ from _helpers import load_script
 
 from peakflat_jax import config as config_module
 from peakflat_jax.plan import host_pool, make_plan
+from peakflat_jax.plan import operators as plan_operators
+from peakflat_jax.plan import terms as plan_terms
 from peakflat_jax.plan.terms import cudnn_backward_workspace, packed_attention_runs
+
+
+@pytest.fixture(autouse=True)
+def layer_loop_as_measured(monkeypatch):
+    """Every run here was measured when ``operators.layer_loop: auto`` resolved to ``unrolled``
+    wherever the offloaded optimizer overlapped the forward on a GPU (before the scanned stack
+    made each MoE layer's update inside its loop, ``sco.MadeInScan``): the plans of those runs
+    are made under that rule."""
+    def as_measured(knobs, platform: str) -> str:
+        return "unrolled" if knobs.optimizer_overlap and platform == "gpu" else "scan"
+
+    for module in (plan_terms, plan_operators):
+        monkeypatch.setattr(module, "auto_layer_loop", as_measured)
 
 
 def load_config(name: str, overrides=()):

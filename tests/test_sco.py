@@ -627,3 +627,78 @@ def test_made_in_loop_refuses_params_unlike_its_offsets(rng):
     with pytest.raises(ValueError, match="MadeInLoop.offsets"):
         pf.sco_scan(layer_fn, h, _made_in_loop(sources[1:], offsets), offload=0,
                     loop="unrolled")
+
+
+def _made_in_scan(params, offsets, segments, into=None):
+    """A ``sco.MadeInScan`` whose layer l's params are ``2 * (params[l] / 2)`` (read as row l of
+    the stacked halves it carries) plus its offsets, wrapped twice (``map_params``); it counts
+    in its carried state how many layers each segment made."""
+    halves = jax.tree.map(lambda a: a / 2, params)
+
+    def make(layer, carried, ready, segment):
+        sources, counts = carried
+        made = jax.tree.map(
+            lambda a: 2 * jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), sources)
+        return made, (sources, counts.at[segment].add(1))
+
+    made = sco.MadeInScan(make, (halves, jnp.zeros(3, jnp.int32)), segments, offsets, into=into)
+    return made.map_params(lambda layer, p: {**p, "scale": p["scale"] * 0.5}).map_params(
+        lambda layer, p: {**p, "scale": p["scale"] * 2})
+
+
+@pytest.mark.parametrize("offload", [0, LAYERS, [True, False, True, True, False]], ids=str)
+@pytest.mark.parametrize("segments", [(0,) * LAYERS, (0, 0, 1, 1, 2)], ids=["one", "three"])
+def test_made_in_scan_equals_made_in_loop_bit_for_bit(rng, offload, segments):
+    """Params made inside the scanned forward (``sco.MadeInScan``: layer l + 1's made in layer
+    l's iteration, from a row of carried stacked state) give the unrolled ``MadeInLoop``'s
+    values and gradients bit for bit, the offsets' gradients including those through the
+    stacked output a loss reads too; every layer is made once, by the loop of its segment; and
+    the program holds one loop per run of layers with one offload choice and one next
+    segment, the last layer a loop of its own (nothing left to make)."""
+    h, params, d_h = draw(rng)
+    offsets = jax.tree.map(lambda a: a / 7, draw(rng)[1])
+    into = jax.tree.map(lambda a: jnp.full_like(a, 3.0), offsets)
+    sources = tuple(jax.tree.map(lambda a, i=i: a[i] / 2, params) for i in range(LAYERS))
+
+    def scanned(h, offsets):
+        made = _made_in_scan(params, offsets, segments, into)
+        out = pf.sco_scan(layer_fn, h, made, offload=offload, loop="scan")
+        (_, counts), stacked = made.results
+        value = jnp.vdot(out, d_h) + sum(jnp.sum(a**2) for a in jax.tree.leaves(stacked))
+        return value, counts
+
+    def unrolled(h, offsets):
+        made = _made_in_loop(sources, offsets, into)
+        out = pf.sco_scan(layer_fn, h, made, offload=offload, loop="unrolled")
+        return jnp.vdot(out, d_h) + sum(jnp.sum(a**2) for a in jax.tree.leaves(made.results[2]))
+
+    (value, counts), grads = jax.jit(jax.value_and_grad(scanned, argnums=(0, 1),
+                                                        has_aux=True))(h, offsets)
+    expected = jax.jit(jax.value_and_grad(unrolled, argnums=(0, 1)))(h, offsets)
+    assert_equal_trees((value, grads), expected)
+    assert counts.tolist() == [segments.count(s) for s in range(3)]
+    chosen = sco.offload_plan(offload, LAYERS, BOUNDARY_BYTES)
+    runs = sco._made_runs(chosen, segments)
+    assert runs[-1] == (LAYERS - 1, LAYERS, chosen[-1], None)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda h, o: scanned(h, o)[0], argnums=1))(h, offsets)
+    loops = [e for e in iter_eqns(jaxpr.jaxpr, "scan")]
+    assert len(loops) == 2 * len(runs)  # a forward and a backward loop per run
+
+
+def test_made_in_scan_refuses_what_it_cannot_loop_over(rng):
+    """A MadeInScan under the unrolled loop, segments not one per layer (or None), and made
+    params unlike the offsets are refused with the argument named."""
+    h, params, _ = draw(rng)
+    offsets = jax.tree.map(jnp.zeros_like, params)
+    with pytest.raises(ValueError, match='loop: expected "scan" for a MadeInScan'):
+        pf.sco_scan(layer_fn, h, _made_in_scan(params, offsets, (0,) * LAYERS), offload=0,
+                    loop="unrolled")
+    with pytest.raises(ValueError, match="MadeInScan.segments"):
+        pf.sco_scan(layer_fn, h, _made_in_scan(params, offsets, (0,) * (LAYERS - 1)),
+                    offload=0)
+    with pytest.raises(ValueError, match="MadeInScan.segments"):
+        pf.sco_scan(layer_fn, h, _made_in_scan(params, offsets, (0, None, 0, 0, 0)),
+                    offload=0)
+    narrow = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    with pytest.raises(ValueError, match="MadeInScan.make's params"):
+        pf.sco_scan(layer_fn, h, _made_in_scan(narrow, offsets, (0,) * LAYERS), offload=0)

@@ -1,9 +1,11 @@
-"""The overlapped step's MoE layers updated inside the unrolled forward (``sco.MadeInLoop``):
-bit for bit the plain path, and tied in the program where the GPU needs the ties."""
+"""The overlapped step's MoE layers updated inside the forward, unrolled (``sco.MadeInLoop``)
+or scanned (``sco.MadeInScan``): bit for bit the plain path, tied or placed in the program
+where the GPU needs it; and the scanned step's program does not grow with depth."""
 
 import chex
 import jax
 import pytest
+from _helpers import iter_eqns, optimizer_state_values
 from test_train import small_config
 
 from peakflat_jax.train.trainer import Trainer
@@ -111,3 +113,95 @@ def _check_ties(made, writeback):
     before_updates = [eqn for eqn, readers in ties if "device_put" not in readers]
     expected_updates = sum(len(g.bucket_sizes) for g in groups) if writeback == "backward" else 0
     assert len(before_updates) == expected_updates
+
+
+def _host_copies_in(jaxpr, shapes) -> int:
+    """The copies of buckets from host memory to the device in ``jaxpr``'s own equations (not
+    its loops'): the device_puts (one a bucket: its master and moments) of a result of one of
+    ``shapes``."""
+    return sum(any(source.aval.memory_space == jax.memory.Space.Host
+                   and target.aval.memory_space == jax.memory.Space.Device
+                   and tuple(target.aval.shape) in shapes
+                   for source, target in zip(eqn.invars, eqn.outvars))
+               for eqn in jaxpr.eqns if eqn.primitive.name == "device_put")
+
+
+@pytest.mark.slow
+def test_updates_made_in_the_scanned_forward_change_no_bit(tmp_path):
+    """With the scanned stack each MoE layer's update runs inside the forward loop, in the
+    iteration of the layer before (``sco.MadeInScan``), its buckets a row of the optimizer
+    state's stacked blocks: three MoE layers of five buckets each (more than the two slots),
+    clipping and a schedule give the plain path's losses, weights, router bias and optimizer
+    state bit for bit, written back as updated and under the backward, and with the outer
+    group and the first MoE layer resident (a resident block, then a streamed one). In the
+    program the first MoE layer's buckets are copied in before the loops, with the outer
+    group's, and every later layer's inside the loop that computes the layer before it, one
+    layer's buckets per iteration."""
+    common = ["model.num_layers=4", "optimizer.max_grad_norm=0.5", "optimizer.warmup_steps=2",
+              "optimizer.bucket_params=2000", "train.steps=3", "train.checkpoints=false",
+              "optimizer.resident_groups=0"]
+    plain = Trainer(small_config(*common, "operators.optimizer_overlap=false"),
+                    run_dir=str(tmp_path / "plain"))
+    expected = plain.run(progress=False)["losses"]
+    cases = {"forward": [], "backward": ["operators.optimizer_writeback=backward"],
+             "resident": ["optimizer.resident_groups=2", "operators.optimizer_writeback=backward"]}
+    made = {}
+    for name, overrides in cases.items():
+        made[name] = Trainer(small_config(*common, "operators.layer_loop=scan", *overrides),
+                             run_dir=str(tmp_path / name))
+        assert made[name].overlap and made[name].run(progress=False)["losses"] == expected, name
+        final = made[name].final_state
+        assert final.opt_state.layout.stack_layers
+        chex.assert_trees_all_equal(
+            jax.device_get((plain.final_state.params, plain.final_state.extras)),
+            jax.device_get((final.params, final.extras)))
+        chex.assert_trees_all_equal(optimizer_state_values(plain.final_state.opt_state),
+                                    optimizer_state_values(final.opt_state))
+    for name, before in (("forward", 2), ("resident", 0)):  # the groups copied before the loops
+        trainer = made[name]
+        state = trainer.final_state
+        jaxpr = jax.make_jaxpr(trainer._overlapped)(
+            state.params, state.extras, state.opt_state, state.params,
+            trainer.global_batch(next(trainer.batches)), True).jaxpr
+        layout = state.opt_state.layout
+        devices = layout.placement.num_devices
+        shapes = {(n * devices,) for g in layout.groups[:2] for n in g.bucket_sizes}
+        counts = [len(g.bucket_sizes) for g in layout.groups]
+        assert _host_copies_in(jaxpr, shapes) == sum(counts[:before]), name
+        loops = [eqn.params["jaxpr"].jaxpr for eqn in iter_eqns(jaxpr, "scan")]
+        copying = [_host_copies_in(body, shapes) for body in loops]
+        # MoE layers 1 and 2 made by one loop, that of layers 0 and 1; nothing in the last's.
+        assert sorted(c for c in copying if c) == [counts[2]], name
+
+
+def _lowered_overlapped_step_lines(tmp_path, num_layers: int, loop: str) -> int:
+    """The lines of the overlapped step's lowered program (StableHLO) for ``tiny`` at
+    ``num_layers`` with every optimizer group streamed, from the abstract state: nothing is
+    made or compiled."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from peakflat_jax import mesh as mop
+
+    trainer = Trainer(small_config(f"model.num_layers={num_layers}", "optimizer.resident_groups=0",
+                                   f"operators.layer_loop={loop}"), run_dir=str(tmp_path))
+    state = trainer.initial_state(abstract=True)
+    tokens = jax.ShapeDtypeStruct((trainer.config.data.batch_size, trainer.config.data.seq_len),
+                                  "int32", sharding=mop.token_sharding(trainer.mesh))
+    batch = {key: tokens for key in ("tokens", "targets", "positions", "segment_ids")}
+    apply = jax.ShapeDtypeStruct((), "bool", sharding=NamedSharding(trainer.mesh, P()))
+    lowered = jax.jit(trainer._overlapped).lower(state.params, state.extras, state.opt_state,
+                                                 state.params, batch, apply)
+    return sum(" = " in line for line in lowered.as_text().splitlines())
+
+
+def test_the_scanned_overlapped_step_does_not_grow_with_depth(tmp_path):
+    """The overlapped step with the optimizer streamed, scanned: its program at 8 layers within
+    1.05x of its program at 3 (measured: 1.005x; the MoE layers' updates are one loop body's,
+    whatever the depth), where the unrolled step's grows with every layer (past 1.3x here).
+    The lowered program's size stands for XLA's compile time, which follows it (docs/compile.md:
+    tiny's compile at 4 to 32 layers)."""
+    scanned = [_lowered_overlapped_step_lines(tmp_path, layers, "scan") for layers in (3, 8)]
+    assert scanned[1] <= 1.05 * scanned[0], scanned
+    unrolled = [_lowered_overlapped_step_lines(tmp_path, layers, "unrolled") for layers in (3, 8)]
+    assert unrolled[1] > 1.3 * unrolled[0], unrolled

@@ -36,7 +36,7 @@ from peakflat_jax.ops.global_forms import (
     materialized_cross_entropy_global,
     ring_cross_entropy_global,
 )
-from peakflat_jax.ops.sco import MadeInLoop, PerLayer, sco_scan
+from peakflat_jax.ops.sco import MadeInLoop, MadeInScan, PerLayer, sco_scan
 
 IGNORE = -100
 """The target of a token that predicts nothing (document ends, padding)."""
@@ -89,7 +89,7 @@ class MoEDecoder(nnx.Module):
         return self.config.num_layers - self.config.num_dense_layers
 
     def __call__(self, batch: dict, run: Runtime, offload: tuple[bool, ...],
-                 moe_layers: PerLayer | MadeInLoop | None = None):
+                 moe_layers: PerLayer | MadeInLoop | MadeInScan | None = None):
         """(mean loss over the valid targets, per-layer expert counts [L_moe, E] int32).
 
         ``batch``: tokens, targets, positions, segment_ids, each [B, T] int32, split over the
@@ -97,8 +97,9 @@ class MoEDecoder(nnx.Module):
         ``moe_layers``: the MoE layers' variables given per layer (a PerLayer of per-layer
         nnx.States, e.g. weights and router bias), instead of this module's stacked ones: a
         step that updates each layer's weights itself lets layer l start before the later
-        layers' weights exist; a MadeInLoop (unrolled layers) makes them inside the forward,
-        each behind the layer before. With no valid target the mean is NaN (as torch's)."""
+        layers' weights exist; a MadeInLoop (unrolled layers) or a MadeInScan (scanned) makes
+        them inside the forward, each behind the layer before. With no valid target the mean
+        is NaN (as torch's)."""
         config = self.config
         h, counts = self.final_hidden(batch, run, offload, moe_layers)
         loss = mean_cross_entropy(h.reshape(-1, config.hidden), self.head_kernel(),
@@ -106,7 +107,7 @@ class MoEDecoder(nnx.Module):
         return loss, counts
 
     def final_hidden(self, batch: dict, run: Runtime, offload: tuple[bool, ...],
-                     moe_layers: PerLayer | MadeInLoop | None = None
+                     moe_layers: PerLayer | MadeInLoop | MadeInScan | None = None
                      ) -> tuple[jax.Array, jax.Array]:
         """(the final RMSNorm's output [B, T, H], per-layer expert counts [L_moe, E]): the
         model up to its head (``__call__``'s arguments; ``batch`` needs no targets)."""
@@ -138,7 +139,8 @@ class MoEDecoder(nnx.Module):
         return logits[..., : self.config.vocab_size]
 
     def _run_stack(self, stack: DecoderLayer, carry: dict, run: Runtime,
-                   offload: tuple[bool, ...], per_layer: PerLayer | MadeInLoop | None = None, *,
+                   offload: tuple[bool, ...],
+                   per_layer: PerLayer | MadeInLoop | MadeInScan | None = None, *,
                    first_layer: int) -> dict:
         graphdef, state = nnx.split(stack)
         windows = layer_windows(self.config)
@@ -146,7 +148,7 @@ class MoEDecoder(nnx.Module):
             windows = jnp.asarray(windows[first_layer:first_layer + len(offload)], jnp.int32)
         if per_layer is None:
             params = ((state,), jnp.arange(len(offload), dtype=jnp.int32))
-        elif isinstance(per_layer, MadeInLoop):
+        elif isinstance(per_layer, MadeInLoop | MadeInScan):
             params = per_layer.map_params(lambda i, states: (tuple(states), jnp.int32(i)))
         else:
             params = PerLayer(tuple((tuple(states), jnp.int32(i))

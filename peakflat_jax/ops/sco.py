@@ -62,6 +62,13 @@ one iteration (straight-line code to XLA) or the first layer of a stack needs. T
 loop stays for comparison and for ``PerLayer`` parameters that must reach each layer
 separately; docs/sco.md holds what each measured.
 
+Parameters made inside the forward (the trainer's overlapped optimizer: each layer's weights
+updated from host-resident state while the layer before computes) come as a ``MadeInLoop``
+(unrolled: layer l's made behind layer l - 1's input) or a ``MadeInScan`` (scanned: layer l + 1's
+made in the iteration that computes layer l, from a row of state stacked over the layers, the
+copies beside the layer's compute in one iteration's straight-line code). Either way the made
+params are written into one stacked array per leaf, which the backward slices.
+
 On CPU the memory kinds lower to nothing, so tests check values, the placement of transfers,
 the barriers' ties in the jaxpr, and XLA's plan against ``sco_memory_terms``.
 
@@ -272,6 +279,70 @@ class _Maker:
         return params, lambda: (tuple(state["outputs"]), state["chain"], state["stacked"])
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class MadeInScan:
+    """Layer parameters made inside the scanned forward: layer l + 1's in the loop iteration
+    that computes layer l (the trainer's overlapped step with the scanned stack: each MoE
+    layer's weights updated from host-resident optimizer state, its host copies under the
+    layer before). The scanned counterpart of ``MadeInLoop``.
+
+    Given as ``sco_scan``'s ``stacked_params`` (``loop="scan"`` only). Layer l's parameters are
+    ``make(l, carried, ready, segment) -> (params_l, carried)``: ``l`` is traced inside the loop
+    (an int for layer 0, made before it), ``carried`` a pytree of arrays without gradient that
+    is threaded from make to make in layer order (the optimizer's stacked state, rows read and
+    written by layer), ``ready`` layer l's input (its inexact leaves, without gradient: work that
+    ``make`` ties to it waits for layer l - 1's compute) and ``segment`` the static
+    ``segments[l]``. A loop makes only layers of one segment (a loop ends where the next
+    layer's segment changes), so that ``make`` can choose by segment what it cannot by a
+    traced layer (the trainer: which stacked block of the optimizer's state holds the layer).
+    The params made are layer l's slice of ``offsets`` added (zeros stacked like the params:
+    the gradients are taken with respect to them) and written in place into ``into`` (else
+    fresh zeros), whose rows the backward slices, as ``MadeInLoop``. ``layer_fn`` takes
+    ``wrap(l, params_l)`` (the identity unless ``map_params`` set it). After the call
+    ``results`` holds ``(carried, stacked)``, tracers of the same trace.
+
+    Why: the unrolled loop compiles every layer, so its compile grows with depth; a scanned
+    stack whose weights are made before the loop waits for every bucket of the optimizer's
+    stream, none of which then runs under a layer's compute (docs/compile.md). Made one layer
+    ahead inside the loop's body, layer l + 1's copies run in straight-line code beside layer
+    l's compute, within one iteration, where XLA overlaps host copies; its state is a row of
+    arrays stacked over the layers, read and written in place, because separate arrays per
+    layer cannot be indexed by the loop's traced layer. The last layer, which has no next
+    layer to make, is a loop of its own (one iteration: straight-line code), one layer's code
+    more than the scanned stack's, whatever the depth."""
+
+    make: Callable
+    carried: Any
+    segments: tuple
+    offsets: Any
+    results: list = dataclasses.field(default_factory=list)
+    into: Any = None
+    wrap: Callable | None = None
+
+    def map_params(self, fn: Callable) -> MadeInScan:
+        """The same, ``layer_fn`` given each layer's params as ``fn(layer, params_l)`` (a
+        caller's wrapping of the layer pytree; ``layer`` may be traced), sharing ``results``."""
+        inner = self.wrap
+        wrap = fn if inner is None else (lambda layer, params: fn(layer, inner(layer, params)))
+        return dataclasses.replace(self, wrap=wrap)
+
+    def wrapped(self, layer, params):
+        """What ``layer_fn`` takes for layer ``layer``'s params."""
+        return params if self.wrap is None else self.wrap(layer, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScanMaker:
+    """The static part of a MadeInScan (a custom_vjp's non-differentiable argument)."""
+
+    make: Callable
+    segments: tuple
+    wrap: Callable | None
+
+    def wrapped(self, layer, params):
+        return params if self.wrap is None else self.wrap(layer, params)
+
+
 def _check_like(what: str, tree, like) -> None:
     """Raises a ValueError naming ``what`` unless ``tree`` has ``like``'s structure, shapes and
     dtypes (a made layer's params against its offsets' slice; ``into`` against the offsets):
@@ -351,7 +422,8 @@ def sco_scan(layer_fn: Callable, carry, stacked_params, *, offload, loop: str = 
     of consecutive layers that share an offload choice, so that the program (and its compile
     time) does not grow with depth; ``"unrolled"`` traces every layer (module doc, "Two
     loops"). Both give the same values and gradients. A ``PerLayer`` under ``"scan"`` is
-    stacked first: every layer then waits for all layers' parameters.
+    stacked first: every layer then waits for all layers' parameters. Parameters made inside
+    the forward are a ``MadeInLoop`` (unrolled) or a ``MadeInScan`` (scanned).
 
     Limits: reverse mode only (a custom VJP: ``jax.jvp`` and ``jacfwd`` raise); under
     ``jax.vmap`` a HostBudget counts the bytes of one example's boundary. Inside an enclosing
@@ -361,6 +433,8 @@ def sco_scan(layer_fn: Callable, carry, stacked_params, *, offload, loop: str = 
     """
     if loop not in LOOPS:
         raise ValueError(f"loop: expected one of {LOOPS}, got {loop!r}")
+    if isinstance(stacked_params, MadeInScan):
+        return _made_in_scan(layer_fn, carry, stacked_params, offload, loop)
     made = stacked_params if isinstance(stacked_params, MadeInLoop) else None
     if made is not None:
         if loop != "unrolled":
@@ -652,9 +726,25 @@ def _sco_scanned_fwd(layer_fn, runs, carry, stacked_params):
 
 def _sco_scanned_bwd(layer_fn, runs, residuals, d_carry):
     saved, stacked_params = residuals
+    return _scanned_backward(lambda carry, params, layer: layer_fn(carry, params), runs, saved,
+                             stacked_params, d_carry)
+
+
+def _scanned_backward(apply, runs, saved, stacked_params, d_carry, given=None):
+    """The scanned loop's backward: per run in reverse, one ``lax.scan`` whose body recomputes
+    and differentiates ``apply(carry, params_l, l)`` from boundary l while it brings boundary
+    l - 1 back; each layer's parameter gradients written in place into the stacked result (set,
+    or added to ``given``: a cotangent of the stacked params themselves). Returns (the carry's
+    cotangent, the stacked params' cotangent tree)."""
     carry_leaves = _CarryLeaves(_layer_at(saved[0], 0))
     param_leaves, param_def = jax.tree.flatten(stacked_params)
     inexact = [i for i, leaf in enumerate(param_leaves) if _is_inexact(leaf)]
+
+    def write(stack, grad, layer):
+        grad = grad.astype(stack.dtype)
+        if given is not None:
+            grad = lax.dynamic_index_in_dim(stack, layer, 0, keepdims=False) + grad
+        return lax.dynamic_update_index_in_dim(stack, grad, layer, 0)
 
     def layer_vjp(boundary, layer, d_inexact, d_stacked):
         """Layer ``layer`` recomputed from its boundary and differentiated; its parameter
@@ -665,16 +755,19 @@ def _sco_scanned_bwd(layer_fn, runs, residuals, d_carry):
         layer's activations through the whole step (5.7 GiB at h200-1's 256K in XLA:GPU's
         buffer assignment)."""
         boundary, d_inexact = lax.optimization_barrier((boundary, d_inexact))
-        _, vjp = jax.vjp(layer_fn, boundary, _layer_at(stacked_params, layer))
+        _, vjp = jax.vjp(lambda c, p: apply(c, p, layer), boundary,
+                         _layer_at(stacked_params, layer))
         d_boundary, d_layer = vjp(carry_leaves.full(d_inexact))
         d_layer = param_def.flatten_up_to(d_layer)
-        d_stacked = [lax.dynamic_update_index_in_dim(stack, d_layer[i].astype(stack.dtype),
-                                                     layer, 0)
-                     for stack, i in zip(d_stacked, inexact)]
+        d_stacked = [write(stack, d_layer[i], layer) for stack, i in zip(d_stacked, inexact)]
         return carry_leaves.inexact_part(d_boundary), d_stacked
 
     d_inexact = carry_leaves.inexact_part(d_carry)
-    d_stacked = [jnp.zeros_like(param_leaves[i]) for i in inexact]
+    if given is None:
+        d_stacked = [jnp.zeros_like(param_leaves[i]) for i in inexact]
+    else:
+        given = param_def.flatten_up_to(given)
+        d_stacked = [given[i] for i in inexact]
     for (start, stop, to_host), boundaries in reversed(list(zip(runs, saved))):
         layers = jnp.arange(stop - start, dtype=jnp.int32)
         if not to_host:
@@ -708,3 +801,131 @@ def _sco_scanned_bwd(layer_fn, runs, residuals, d_carry):
 
 
 _sco_scanned.defvjp(_sco_scanned_fwd, _sco_scanned_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# The scanned loop with each layer's parameters made in the iteration before (MadeInScan).
+
+
+def _made_in_scan(layer_fn, carry, made: MadeInScan, offload, loop):
+    """``sco_scan`` of a MadeInScan: checked, then one loop per run of layers that share an
+    offload choice and the next layer's segment."""
+    if loop != "scan":
+        raise ValueError(f"loop: expected \"scan\" for a MadeInScan, got {loop!r}")
+    leaves = jax.tree.leaves(made.offsets)
+    num_layers = leaves[0].shape[0] if leaves and leaves[0].ndim else None
+    if num_layers is None or any(leaf.ndim < 1 or leaf.shape[0] != num_layers
+                                 for leaf in leaves):
+        raise ValueError(f"MadeInScan.offsets: expected a leading layer axis on every leaf, got "
+                         f"{[leaf.shape for leaf in leaves]}")
+    segments = tuple(made.segments)
+    if len(segments) != num_layers or any(s is None for s in segments):
+        raise ValueError(f"MadeInScan.segments: expected {num_layers} keys (one per layer, not "
+                         f"None), got {made.segments!r}")
+    if made.into is not None:
+        _check_like("MadeInScan.into", made.into, made.offsets)
+    chosen = offload_plan(offload, num_layers, carry_bytes(carry)[0])
+    maker = _ScanMaker(made.make, segments, made.wrap)
+    expected = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), carry)
+    out = jax.eval_shape(lambda c, p: layer_fn(c, maker.wrapped(0, p)), carry,
+                         _layer_params(made.offsets, 0))
+    if (jax.tree.structure(out) != jax.tree.structure(expected)
+            or any((a.shape, a.dtype) != (b.shape, b.dtype)
+                   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(expected)))):
+        raise ValueError(f"layer_fn: expected it to return a carry like its input (same "
+                         f"structure, shapes and dtypes: {expected}), got {out}")
+    carry, results = _sco_made_scanned(layer_fn, _made_runs(chosen, segments), maker, carry,
+                                       made.offsets, (made.carried, made.into))
+    made.results[:] = results
+    return carry
+
+
+def _made_runs(chosen, segments) -> tuple[tuple[int, int, bool, Any], ...]:
+    """(start, stop, to_host, segment) of each run of consecutive layers with one offload choice
+    whose iterations make layers of one segment: layer l's iteration makes layer l + 1, of
+    ``segment``; None where nothing is made (the last layer, a run of its own)."""
+    num_layers = len(chosen)
+    keys = [(chosen[i], segments[i + 1] if i + 1 < num_layers else None)
+            for i in range(num_layers)]
+    runs, start = [], 0
+    for layer in range(1, num_layers + 1):
+        if layer == num_layers or keys[layer] != keys[start]:
+            runs.append((start, layer, *keys[start]))
+            start = layer
+    return tuple(runs)
+
+
+def _made_forward(layer_fn, runs, maker: _ScanMaker, carry, offsets, made_inputs, save: bool):
+    """The forward of a MadeInScan: layer 0's params made before the loops, then per run one
+    ``lax.scan`` whose body computes layer l with the params made in the iteration before and
+    makes layer l + 1's. Returns (carry, carried, stacked params, the boundaries saved per run:
+    in host memory where offloaded; None without ``save``)."""
+    carried, into = made_inputs
+    stacked = jax.tree.map(jnp.zeros_like, offsets) if into is None else into
+    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), offsets)
+
+    def ready(carry):
+        return lax.stop_gradient(_CarryLeaves(carry).inexact_part(carry))
+
+    def made_layer(layer, carried, ready, segment):
+        params, carried = maker.make(layer, carried, ready, segment)
+        _check_like("MadeInScan.make's params", params, like)
+        params = jax.tree.map(lambda m, o: m + o if _is_inexact(m) else m, params,
+                              _layer_at(offsets, layer))
+        return params, carried
+
+    def written(stacked, params, layer):
+        return jax.tree.map(lambda s, p: lax.dynamic_update_index_in_dim(s, p, layer, 0),
+                            stacked, params)
+
+    params, carried = made_layer(0, carried, ready(carry), maker.segments[0])
+    stacked = written(stacked, params, 0)
+    saved = []
+    for start, stop, to_host, segment in runs:
+        def body(state, _, to_host=to_host, segment=segment):
+            # The layer index is carried (not sliced from a constant): an index that is a
+            # function of the loop's counter is what XLA turns a host row's slice into a copy
+            # by (its dynamic-memcpy thunk).
+            layer, carry, params, carried, stacked = state
+            carry_next = layer_fn(carry, maker.wrapped(layer, params))
+            if segment is not None:
+                params, carried = made_layer(layer + 1, carried, ready(carry_next), segment)
+                stacked = written(stacked, params, layer + 1)
+            boundary = None if not save else (
+                _move_boundary(carry, jax.memory.Space.Host) if to_host else carry)
+            return (layer + 1, carry_next, params, carried, stacked), boundary
+
+        state = (jnp.int32(start), carry, params, carried, stacked)
+        (_, carry, params, carried, stacked), boundaries = lax.scan(body, state, None,
+                                                                    length=stop - start)
+        saved.append(boundaries)
+    return carry, carried, stacked, tuple(saved)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _sco_made_scanned(layer_fn, runs, maker, carry, offsets, made_inputs):
+    carry, carried, stacked, _ = _made_forward(layer_fn, runs, maker, carry, offsets,
+                                               made_inputs, save=False)
+    return carry, (carried, stacked)
+
+
+def _sco_made_scanned_fwd(layer_fn, runs, maker, carry, offsets, made_inputs):
+    carry, carried, stacked, saved = _made_forward(layer_fn, runs, maker, carry, offsets,
+                                                   made_inputs, save=True)
+    return (carry, (carried, stacked)), (saved, stacked)
+
+
+def _sco_made_scanned_bwd(layer_fn, runs, maker, residuals, d_out):
+    # The backward slices each layer's params from the stacked made params; the offsets'
+    # cotangents are theirs plus the stacked output's own (stacked = made + offsets). The
+    # carried state takes no gradient.
+    saved, stacked = residuals
+    d_carry, (_, d_stacked) = d_out
+    d_carry, d_offsets = _scanned_backward(
+        lambda c, p, layer: layer_fn(c, maker.wrapped(layer, p)),
+        tuple((start, stop, to_host) for start, stop, to_host, _ in runs), saved, stacked,
+        d_carry, given=d_stacked)
+    return d_carry, d_offsets, None
+
+
+_sco_made_scanned.defvjp(_sco_made_scanned_fwd, _sco_made_scanned_bwd)

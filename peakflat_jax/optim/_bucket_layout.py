@@ -11,7 +11,12 @@ The first ``resident_groups`` groups keep their state in device memory (resident
 lives in host memory (pinned_host) and is streamed through the device by the step.
 
 A bucket of the state is one global array of ``num_devices * bucket_size`` elements split over
-every mesh axis: a piece per device, each device's piece cut from its own shards.
+every mesh axis: a piece per device, each device's piece cut from its own shards. With
+``stack_layers`` the layer groups' buckets are stored stacked instead: the layer groups of one
+residency form a block, and bucket j of every layer of a block is one row of one array
+``[layers, num_devices * bucket_size_j]`` (every layer group has the same buckets). A loop over
+the layers then reads and writes layer l's buckets as row l of whole arrays; separate arrays per
+layer could only be indexed by a layer known when tracing.
 
 Everything here is hashable: the layout is the static metadata of the state.
 """
@@ -83,6 +88,11 @@ class Placement:
     def state_sharding(self, memory_kind: str) -> NamedSharding:
         return NamedSharding(self.mesh, self.flat_spec, memory_kind=memory_kind)
 
+    def stacked_sharding(self, memory_kind: str) -> NamedSharding:
+        """A block's stacked state: rows of layers, each row split as ``state_sharding``."""
+        return NamedSharding(self.mesh, P(None, tuple(self.mesh.axis_names)),
+                             memory_kind=memory_kind)
+
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
 
@@ -118,6 +128,8 @@ class Group:
 
     @property
     def bucket_indices(self) -> range:
+        """The group's buckets' indices among every group's buckets (the state's arrays where
+        no layers are stacked: ``Layout.bucket_arrays`` says where each is stored)."""
         return range(self.first_bucket, self.first_bucket + len(self.bucket_sizes))
 
     def gather(self, local_leaves, bucket: int, dtype=jnp.float32) -> jax.Array:
@@ -152,6 +164,26 @@ class Group:
 
 
 @dataclasses.dataclass(frozen=True)
+class Block:
+    """Consecutive layer groups of one residency whose state is stacked (``Layout.stack_layers``):
+    groups ``first_group`` to ``stop_group - 1`` are rows 0, 1, ... of the arrays from
+    ``first_array`` on, one array per bucket of a layer."""
+
+    first_group: int
+    stop_group: int
+    resident: bool
+    first_array: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.stop_group - self.first_group
+
+    def row(self, group: int) -> int:
+        """Group ``group``'s row in the block's arrays."""
+        return group - self.first_group
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
     """The params' tree and placement, the groups and their buckets, and the split of the
     transformation's state (which leaves stream)."""
@@ -164,10 +196,13 @@ class Layout:
     state_split: StateSplit
     resident_groups: int = 0
     """How many of the first groups keep their state in device memory (the rest: pinned_host)."""
+    stack_layers: bool = False
+    """The layer groups' buckets stored stacked, a block per residency (module doc)."""
 
     @classmethod
     def of(cls, params, bucket_params: int, state_split: StateSplit,
-           stacked_layers=None, resident_groups: int = 0) -> Layout:
+           stacked_layers=None, resident_groups: int = 0,
+           stack_layers: bool = False) -> Layout:
         leaves, treedef = jax.tree.flatten(params)
         if not any(math.prod(leaf.shape) for leaf in leaves):
             raise ValueError("params: expected at least one non-empty array")
@@ -191,9 +226,11 @@ class Layout:
                 or not 0 <= resident_groups <= len(groups)):
             raise ValueError(f"resident_groups: expected an int from 0 to the layout's "
                              f"{len(groups)} groups, got {resident_groups!r}")
+        if stack_layers and not layered:
+            raise ValueError("stack_layers: expected layer groups to stack (stacked_layers)")
         return cls(treedef, tuple(tuple(leaf.shape) for leaf in leaves),
                    tuple(jnp.dtype(leaf.dtype) for leaf in leaves), placement, tuple(groups),
-                   state_split, resident_groups)
+                   state_split, resident_groups, bool(stack_layers))
 
     @property
     def bucket_sizes(self) -> tuple[int, ...]:
@@ -204,10 +241,69 @@ class Layout:
         return group < self.resident_groups
 
     def memory_kinds(self) -> tuple[str, ...]:
-        """Per bucket, the memory kind its state lives in: ``device`` (resident) or
-        ``pinned_host``."""
-        return tuple("device" if self.resident(index) else "pinned_host"
-                     for index, group in enumerate(self.groups) for _ in group.bucket_sizes)
+        """Per array of the state, the memory kind it lives in: ``device`` (resident) or
+        ``pinned_host`` (without ``stack_layers``: per bucket)."""
+        return tuple(kind for _, kind in self._arrays())
+
+    @property
+    def blocks(self) -> tuple[Block, ...]:
+        """The stacked blocks (``stack_layers``): the layer groups split by residency."""
+        if not self.stack_layers:
+            return ()
+        blocks, first_array, index = [], 0, 0
+        while index < len(self.groups):
+            group = self.groups[index]
+            stop = index
+            while (stop < len(self.groups) and self.groups[stop].layer is not None
+                   and self.resident(stop) == self.resident(index)):
+                stop += 1
+            if stop > index:
+                blocks.append(Block(index, stop, self.resident(index), first_array))
+            first_array += len(group.bucket_sizes)
+            index = max(stop, index + 1)
+        return tuple(blocks)
+
+    def block_of(self, group: int) -> Block | None:
+        """The stacked block holding group ``group``'s state, or None."""
+        return next((b for b in self.blocks if b.first_group <= group < b.stop_group), None)
+
+    def units(self) -> tuple[int | Block, ...]:
+        """What a new state is made of, in storage order: each unstacked group's index and each
+        block (``OffloadStreamState.new_state``)."""
+        units = []
+        for index in range(len(self.groups)):
+            block = self.block_of(index)
+            if block is None:
+                units.append(index)
+            elif block.first_group == index:
+                units.append(block)
+        return tuple(units)
+
+    def bucket_arrays(self, group: int) -> tuple[tuple[int, int | None], ...]:
+        """Per bucket of group ``group``: (the index of the state's array holding it, its row
+        there, None for an unstacked bucket)."""
+        block = self.block_of(group)
+        count = len(self.groups[group].bucket_sizes)
+        if block is None:
+            first = self._first_array(group)
+            return tuple((first + b, None) for b in range(count))
+        return tuple((block.first_array + b, block.row(group)) for b in range(count))
+
+    def _first_array(self, group: int) -> int:
+        return sum(len(self.groups[i].bucket_sizes) for i in range(group)
+                   if (b := self.block_of(i)) is None or b.first_group == i)
+
+    def _arrays(self) -> list[tuple[tuple[int, ...], str]]:
+        """(shape, memory kind) of each array of the state, in storage order."""
+        devices, arrays = self.placement.num_devices, []
+        for index, group in enumerate(self.groups):
+            kind = "device" if self.resident(index) else "pinned_host"
+            block = self.block_of(index)
+            if block is None:
+                arrays += [((devices * n,), kind) for n in group.bucket_sizes]
+            elif block.first_group == index:
+                arrays += [((block.num_layers, devices * n), kind) for n in group.bucket_sizes]
+        return arrays
 
     def resident_params(self) -> int:
         """Parameters per device whose state is resident."""
@@ -246,16 +342,26 @@ class Layout:
     def leaf_shardings(self) -> list[NamedSharding]:
         return [NamedSharding(self.placement.mesh, spec) for spec in self.placement.specs]
 
-    def state_shapes(self) -> tuple[tuple[int], ...]:
-        return tuple((self.placement.num_devices * n,) for n in self.bucket_sizes)
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per array of the state, its global shape."""
+        return tuple(shape for shape, _ in self._arrays())
+
+    def state_array_shardings(self) -> tuple[NamedSharding, ...]:
+        """Per array of the state, its sharding (a stacked block's rows of layers unsplit)."""
+        return tuple(self.placement.stacked_sharding(kind) if len(shape) == 2
+                     else self.placement.state_sharding(kind) for shape, kind in self._arrays())
 
     def describe(self) -> dict:
         """What a checkpoint must match to be restored here (JSON): the buckets and groups, the
         mesh positions and shards whose pieces they hold, and the transformation's state. Not
-        which groups are resident: the same values restore into device or host memory."""
+        which groups are resident (the same values restore into device or host memory), except
+        where layers are stacked: there the residency splits the blocks, whose arrays' shapes
+        it sets."""
         mesh = self.placement.mesh
         split = self.state_split
-        return {"bucket_sizes": list(self.bucket_sizes),
+        stacked = ({"stacked_blocks": [[b.first_group, b.stop_group, b.resident]
+                                       for b in self.blocks]} if self.stack_layers else {})
+        return {**stacked, "bucket_sizes": list(self.bucket_sizes),
                 "groups": [[None if g.layer is None else g.layer, list(g.leaves),
                             len(g.bucket_sizes)] for g in self.groups],
                 "treedef": str(self.treedef),
@@ -271,6 +377,7 @@ class Layout:
     def __repr__(self) -> str:  # the state's treedef prints it: keep it to a line
         sizes = self.bucket_sizes
         resident = f", {self.resident_groups} resident" if self.resident_groups else ""
+        resident += ", layers stacked" if self.stack_layers else ""
         return (f"Layout({len(sizes)} buckets of {list(sizes[:4])}"
                 f"{'...' if len(sizes) > 4 else ''} in {len(self.groups)} groups{resident} over "
                 f"{len(self.shapes)} leaves, mesh {dict(self.placement.mesh.shape)})")

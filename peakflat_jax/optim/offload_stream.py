@@ -68,6 +68,15 @@ device, outside the slot chain, for ``opt.write_back(group, after=x)`` to copy b
 exists: the trainer passes the forward's loss, so that half of the link's bytes (the copies
 back) run under the backward, for (4 + S) * P bytes of device memory until then.
 
+Stacked layers. ``init(params, stacked_layers=mask, stack_layers=True)`` stores the layer
+groups' buckets stacked: the layer groups of one residency form a block, and bucket j of each of
+its layers is row l of one array (``_bucket_layout``). A loop over the layers (the trainer's
+scanned stack) then updates layer l's buckets as rows of whole arrays, read and written in
+place: ``update_group`` takes a row of a block (``BlockState.group(row)``, the row traced) and
+returns the block with the row written; separate arrays per layer cannot be indexed by a traced
+layer. The step's numbers are the same bit for bit; the state's arrays, and so a checkpoint's,
+are of another shape (``describe`` says which, and ``check_metadata`` refuses the other layout).
+
 Resident groups. ``init(params, stacked_layers=mask, resident_groups=k)`` keeps the state of
 the layout's first k groups (the unmarked leaves, then layers 0, 1, ...) in device memory:
 their buckets are updated where they are, with no copy either way and outside the slot chain.
@@ -102,7 +111,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from peakflat_jax._validate import as_int
-from peakflat_jax.optim._bucket_layout import Group, Layout
+from peakflat_jax.optim._bucket_layout import Block, Group, Layout
 from peakflat_jax.optim._elementwise import split_state
 
 MEMORY_FORMULAS = {
@@ -211,7 +220,8 @@ class OffloadStream:
 
     # -- state ----------------------------------------------------------------------------------
 
-    def init(self, params, stacked_layers=None, resident_groups: int = 0) -> OffloadStreamState:
+    def init(self, params, stacked_layers=None, resident_groups: int = 0,
+             stack_layers: bool = False) -> OffloadStreamState:
         """fp32 master copies of ``params`` and the transformation's initial state, the
         per-parameter part in host memory (device memory for the first ``resident_groups``
         groups); the state carries its layout.
@@ -221,13 +231,14 @@ class OffloadStream:
         params' structure, or a prefix of it, marking leaves whose leading axis is the layer
         axis (the same size L for all, not sharded); their layer slices get buckets of their
         own, a group per layer. ``resident_groups``: how many of the first groups keep their
-        state in device memory instead (module doc)."""
-        layout = self._layout(params, stacked_layers, resident_groups)
+        state in device memory instead (module doc). ``stack_layers``: the layer groups' buckets
+        stored stacked, a block per residency (module doc, "Stacked layers")."""
+        layout = self._layout(params, stacked_layers, resident_groups, stack_layers)
         placement, flat = layout.placement, layout.placement.flat_spec
         num_streamed = len(layout.state_split.per_param_dtypes)
 
         def initial_state(leaves):
-            masters, streamed = [], []
+            masters, streamed = [], []  # per bucket of every group, in group order
             for index, group in enumerate(layout.groups):
                 def buckets(*local_leaves, group=group):
                     master = tuple(group.gather(local_leaves, b)
@@ -244,18 +255,19 @@ class OffloadStream:
                 streamed += state
             zero = jnp.zeros((0,), jnp.float32)
             shared = self._split(self.transformation.init(zero))[1]
-            return OffloadStreamState(tuple(masters), tuple(streamed), shared, layout=layout)
+            masters, streamed = _stored(layout, masters, streamed)
+            return OffloadStreamState(masters, streamed, shared, layout=layout)
 
         return jax.jit(initial_state, out_shardings=_state_shardings(layout))(
             jax.tree.leaves(params))
 
-    def abstract_state(self, params, stacked_layers=None,
-                       resident_groups: int = 0) -> OffloadStreamState:
-        """The state ``init(params, stacked_layers, resident_groups)`` would make, as
+    def abstract_state(self, params, stacked_layers=None, resident_groups: int = 0,
+                       stack_layers: bool = False) -> OffloadStreamState:
+        """The state ``init(params, stacked_layers, resident_groups, stack_layers)`` would make, as
         ShapeDtypeStructs with their shardings (pinned_host for the streamed buckets, device
         for the resident ones), allocating nothing: a checkpoint restore target. ``params`` may
         be arrays or ShapeDtypeStructs with shardings."""
-        layout = self._layout(params, stacked_layers, resident_groups)
+        layout = self._layout(params, stacked_layers, resident_groups, stack_layers)
         shardings = _state_shardings(layout)
         split = layout.state_split
         master = tuple(jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
@@ -281,7 +293,7 @@ class OffloadStream:
 
         def masters(buckets):
             per_group = []
-            for group in layout.groups:
+            for index, group in enumerate(layout.groups):
                 f32 = (jnp.dtype(jnp.float32),) * len(group.leaves)
 
                 def rebuild(*group_buckets, group=group, f32=f32):
@@ -291,10 +303,12 @@ class OffloadStream:
                 per_group.append(placement.local(
                     rebuild, in_specs=(flat,) * len(group.bucket_sizes),
                     out_specs=group.specs, rebuilds_leaves=True)(
-                    *(buckets[i] for i in group.bucket_indices)))
+                    *(buckets[i] if row is None else buckets[i][row]
+                      for i, row in layout.bucket_arrays(index))))
             return layout.merge_groups(per_group)
 
-        on_device = [jax.device_put(m, placement.state_sharding("device")) for m in state.master]
+        on_device = [jax.device_put(m, sharding.with_memory_kind("device"))
+                     for m, sharding in zip(state.master, layout.state_array_shardings())]
         leaves = jax.jit(masters, out_shardings=layout.leaf_shardings())(on_device)
         return jax.tree.unflatten(layout.treedef, leaves)
 
@@ -351,8 +365,11 @@ class OffloadStream:
 
         ``grads``: the group's gradient leaves (``layout.group_leaves(grads, g)``: whole leaves,
         or layer slices for a layer group), placed like the params' (layer slices: without the
-        layer axis). ``group_state``: ``state.group(g)``. Returns (the group's new working
-        leaves, in the params' dtypes, and its new GroupState).
+        layer axis). ``group_state``: ``state.group(g)``, or for stacked layers a row of its
+        block (``BlockState.group``: the row may be traced, inside a loop over the layers).
+        Returns (the group's new working leaves, in the params' dtypes, and its new GroupState:
+        for a row, the block's arrays with the row written, except where ``write_back=False``
+        leaves a streamed row's new state on the device as the row alone).
 
         ``write_back=False``: the new GroupState is left on the device, unbounded by the slot
         chain (``slot_chain`` must be None): the caller writes it back with ``write_back``,
@@ -381,46 +398,63 @@ class OffloadStream:
             slot_chain[:] = chain
         return leaves, new_group
 
-    def write_back(self, group_state: GroupState, after=None) -> GroupState:
-        """A GroupState that ``update_group(..., write_back=False)`` left on the device, copied
-        to its host buckets (traceable). ``after``: any arrays the copies must wait for (an
-        optimization barrier): the trainer passes the forward's loss, so that the copies run
-        under the backward. A resident group's state stays where it is."""
-        if group_state.layout.resident(group_state.index):
+    def write_back(self, group_state: GroupState | BlockState, after=None):
+        """A GroupState that ``update_group(..., write_back=False)`` left on the device (or a
+        BlockState of such rows stacked), copied to its host buckets (traceable). ``after``: any
+        arrays the copies must wait for (an optimization barrier): the trainer passes the
+        forward's loss, so that the copies run under the backward. A resident group's (or
+        block's) state stays where it is."""
+        resident = (group_state.block.resident if isinstance(group_state, BlockState)
+                    else group_state.layout.resident(group_state.index))
+        if resident:
             return group_state
         arrays = (group_state.master, group_state.streamed)
         if after is not None:
             arrays, _ = lax.optimization_barrier((arrays, after))
         master, streamed = jax.device_put(arrays, jax.memory.Space.Host)
-        return GroupState(tuple(master), tuple(tuple(s) for s in streamed),
-                          layout=group_state.layout, index=group_state.index)
+        return dataclasses.replace(group_state, master=tuple(master),
+                                   streamed=tuple(tuple(s) for s in streamed))
 
     def new_state(self, state: OffloadStreamState, groups, scalars: StepScalars):
-        """The state after a step run group by group: every group's new GroupState (in group
-        order) and the transformation's shared state advanced by one step."""
+        """The state after a step run group by group: the new state of every group (in group
+        order) and the transformation's shared state advanced by one step. Where layers are
+        stacked, a block's groups are one entry, at its first group's place: its BlockState
+        (or the last row of it that ``update_group`` returned), ``layout.units()``'s order."""
         layout = self._checked_layout(state)
-        groups = list(groups)
-        if [g.index for g in groups] != list(range(len(layout.groups))):
+        units = [_unit(u) for u in groups]
+        expected = list(layout.units())
+        if [key for key, _ in units] != expected:
             raise ValueError(f"groups: expected the new GroupState of each of the "
-                             f"{len(layout.groups)} groups, in order")
+                             f"{len(layout.groups)} groups, in order (a stacked block's "
+                             f"BlockState in place of its groups): {expected}")
         shared = self._next_shared(scalars.shared)
         if scalars.apply is not None:
             shared = tuple(jnp.where(scalars.apply, new, old)
                            for new, old in zip(shared, scalars.shared))
-        return OffloadStreamState(tuple(m for g in groups for m in g.master),
-                                  tuple(s for g in groups for s in g.streamed),
+        return OffloadStreamState(tuple(m for _, u in units for m in u.master),
+                                  tuple(s for _, u in units for s in u.streamed),
                                   shared, layout=layout)
 
     def _step(self, grad_leaves, state: OffloadStreamState):
         layout = state.layout
         scalars = StepScalars(state.shared, self._global_norm(grad_leaves))
-        chain, groups, leaves_per_group = [], [], []
+        chain, units, leaves_per_group = [], {}, []
+        # A stacked block's arrays are threaded through its groups' updates, row by row.
+        blocks = {block: state.block(block) for block in layout.blocks}
         for index in range(len(layout.groups)):
+            block = layout.block_of(index)
+            group_state = (state.group(index) if block is None
+                           else blocks[block].group(block.row(index), index))
             leaves, group, chain = self._update_group(
-                layout.group_leaves(grad_leaves, index), state.group(index), scalars, chain)
+                layout.group_leaves(grad_leaves, index), group_state, scalars, chain)
             leaves_per_group.append(leaves)
-            groups.append(group)
-        return layout.merge_groups(leaves_per_group), self.new_state(state, groups, scalars)
+            if block is None:
+                units[index] = group
+            else:
+                blocks[block] = group.stacks()
+        return layout.merge_groups(leaves_per_group), self.new_state(
+            state, [units[u] if isinstance(u, int) else blocks[u] for u in layout.units()],
+            scalars)
 
     def _update_group(self, grad_leaves, group_state: GroupState, scalars: StepScalars, chain,
                       write_back: bool = True, after=None):
@@ -454,14 +488,31 @@ class OffloadStream:
 
         # A resident group's buckets are in device memory already: no copies, no slot chain.
         streamed_group = not layout.resident(group_state.index)
+        # A row of a stacked block: each bucket read from and written into the block's arrays.
+        row = group_state.row
         chain, pieces_per_bucket, masters, streamed_per_bucket = list(chain), [], [], []
         for b in range(len(group.bucket_sizes)):
             master, streamed = group_state.master[b], group_state.streamed[b]
+            stacks = None
             if streamed_group:
                 host_in = (master, streamed)
                 if write_back and len(chain) >= self.slots:  # wait for the bucket `slots` back
                     host_in, _ = lax.optimization_barrier((host_in, chain[-self.slots]))
+                if row is not None:
+                    # The row is sliced after the barrier, and copied as sliced: XLA's host
+                    # offloading allows nothing but a bitcast between a slice of host memory
+                    # and its copy to the device.
+                    stacks, host_in = host_in, _row(host_in, row)
                 master, streamed = jax.device_put(host_in, jax.memory.Space.Device)
+            elif row is not None:
+                stacks = (master, streamed)
+                master, streamed = _row(stacks, row)
+            if row is not None:
+                # The row made before its readers: fused into each of them, the slice had them
+                # all read the block's arrays, which then had to be copied whole before the row
+                # was written back into them (XLA:CPU copied every array of the block, every
+                # layer).
+                master, streamed = lax.optimization_barrier((master, streamed))
             if after is not None:  # the update waits for `after`, its copies do not
                 (master, streamed), _ = lax.optimization_barrier(((master, streamed), after))
             local = placement.local(
@@ -473,6 +524,8 @@ class OffloadStream:
                                              *extras)
             written = (jax.device_put((master, streamed), jax.memory.Space.Host)
                        if write_back and streamed_group else (master, streamed))
+            if stacks is not None and (write_back or not streamed_group):
+                written = _with_row(stacks, written, row)  # the copy written as it came
             if streamed_group:
                 chain.append((written, pieces))
             masters.append(written[0])
@@ -482,8 +535,9 @@ class OffloadStream:
             lambda pieces: tuple(group.assemble(pieces)),
             in_specs=(tuple((flat,) * len(p) for p in pieces_per_bucket),),
             out_specs=group.specs, rebuilds_leaves=True)
+        in_stacks = row is not None and (write_back or not streamed_group)
         new_group = GroupState(tuple(masters), tuple(streamed_per_bucket), layout=layout,
-                               index=group_state.index)
+                               index=group_state.index, row=row if in_stacks else None)
         return list(assemble(tuple(pieces_per_bucket))), new_group, chain
 
     def _next_shared(self, shared) -> tuple:
@@ -516,9 +570,10 @@ class OffloadStream:
                 out_shardings=(on_device, state_shardings))
         return self._jitted_steps[layout]
 
-    def _layout(self, params, stacked_layers, resident_groups: int = 0) -> Layout:
+    def _layout(self, params, stacked_layers, resident_groups: int = 0,
+                stack_layers: bool = False) -> Layout:
         return Layout.of(params, self.bucket_params, self.state_split, stacked_layers,
-                         resident_groups)
+                         resident_groups, stack_layers)
 
     def _grad_leaves(self, grads, state: OffloadStreamState) -> list[jax.Array]:
         """The grads' leaves, checked against the state's layout and placed like the params."""
@@ -552,7 +607,7 @@ class OffloadStream:
         streamed = tuple(tuple(tuple(a.shape) for a in bucket) for bucket in state.streamed)
         num_streamed = len(layout.state_split.per_param_dtypes)
         if shapes != expected or streamed != tuple((s,) * num_streamed for s in expected):
-            raise ValueError(f"state: expected {len(expected)} buckets of shapes {expected} "
+            raise ValueError(f"state: expected {len(expected)} arrays of shapes {expected} "
                              f"(its layout's) in master and streamed, got {shapes} and "
                              f"{streamed}")
         return layout
@@ -576,22 +631,123 @@ class OffloadStreamState:
     layout: Layout = dataclasses.field(metadata=dict(static=True))
 
     def group(self, index: int) -> GroupState:
-        """Group ``index``'s buckets (``layout.groups``)."""
-        buckets = self.layout.groups[index].bucket_indices
+        """Group ``index``'s buckets (``layout.groups``); for a stacked group, its row of its
+        block (``BlockState.group``)."""
+        block = self.layout.block_of(index)
+        if block is not None:
+            return self.block(block).group(block.row(index), index)
+        buckets = [i for i, _ in self.layout.bucket_arrays(index)]
         return GroupState(tuple(self.master[i] for i in buckets),
                           tuple(self.streamed[i] for i in buckets), layout=self.layout,
                           index=index)
+
+    def block(self, block: Block) -> BlockState:
+        """A stacked block's arrays (``layout.blocks``)."""
+        arrays = range(block.first_array,
+                       block.first_array + len(self.layout.groups[block.first_group].bucket_sizes))
+        return BlockState(tuple(self.master[i] for i in arrays),
+                          tuple(self.streamed[i] for i in arrays), layout=self.layout,
+                          block=block)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GroupState:
-    """One group's buckets of an OffloadStreamState."""
+    """One group's buckets of an OffloadStreamState; or, where ``row`` is set, a row of a
+    stacked block: ``master`` and ``streamed`` are then the block's arrays, ``row`` the group's
+    row in them (an int, or traced inside a loop over the block's layers), and ``index`` a group
+    of the block (they are alike but for their row)."""
 
     master: tuple[jax.Array, ...]
     streamed: tuple[tuple[jax.Array, ...], ...]
     layout: Layout = dataclasses.field(metadata=dict(static=True))
     index: int = dataclasses.field(metadata=dict(static=True))
+    row: jax.Array | int | None = None
+
+    def stacks(self) -> BlockState:
+        """A row's block: its arrays as they are (the row written, after ``update_group``)."""
+        if self.row is None:
+            raise ValueError(f"group {self.index}: expected a row of a stacked block")
+        return BlockState(self.master, self.streamed, layout=self.layout,
+                          block=self.layout.block_of(self.index))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockState:
+    """A stacked block's state (``Layout.stack_layers``): per bucket of a layer, the master's
+    and the per-parameter state's arrays, a row per layer of the block."""
+
+    master: tuple[jax.Array, ...]
+    streamed: tuple[tuple[jax.Array, ...], ...]
+    layout: Layout = dataclasses.field(metadata=dict(static=True))
+    block: Block = dataclasses.field(metadata=dict(static=True))
+
+    def group(self, row, index: int | None = None) -> GroupState:
+        """Row ``row`` (an int, or traced) of the block as what ``update_group`` takes;
+        ``index``: the group's index where known (default: the block's first group, alike)."""
+        return GroupState(self.master, self.streamed, layout=self.layout,
+                          index=self.block.first_group if index is None else index, row=row)
+
+    def device_zeros(self) -> BlockState:
+        """A block like this one of zeros in device memory (traceable): where the rows that
+        ``update_group(..., write_back=False)`` leaves on the device are gathered
+        (``with_row``), to be written back together (``OffloadStream.write_back``)."""
+        sharding = self.layout.placement.stacked_sharding("device")
+        master, streamed = jax.tree.map(
+            lambda a: lax.with_sharding_constraint(jnp.zeros(a.shape, a.dtype), sharding),
+            (self.master, self.streamed))
+        return dataclasses.replace(self, master=master, streamed=streamed)
+
+    def with_row(self, row, group_state: GroupState) -> BlockState:
+        """The block with row ``row`` set to an unstacked GroupState's buckets (a row that
+        ``update_group(..., write_back=False)`` left on the device, into device arrays). The
+        row's arrays are made before they are written (an optimization barrier): written at a
+        constant row into fresh zeros, XLA:CPU folded the write into a pad of the update's
+        arithmetic, computed there a second time, and a moment's element rounded otherwise
+        than in the update itself (1 ulp)."""
+        rows = lax.optimization_barrier((group_state.master, group_state.streamed))
+        master, streamed = _with_row((self.master, self.streamed), rows, row)
+        return dataclasses.replace(self, master=master, streamed=streamed)
+
+
+def _row(stacks, row):
+    """Row ``row`` of every array of ``stacks`` (a pytree of arrays with a leading axis)."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, row, 0, keepdims=False), stacks)
+
+
+def _with_row(stacks, rows, row):
+    """``stacks`` with row ``row`` of each array set to ``rows``'s (written in place)."""
+    return jax.tree.map(lambda a, r: lax.dynamic_update_index_in_dim(a, r.astype(a.dtype), row, 0),
+                        stacks, rows)
+
+
+def _unit(state) -> tuple:
+    """(what ``layout.units()`` lists for a new state's entry, the entry)."""
+    if isinstance(state, BlockState):
+        return state.block, state
+    if state.row is not None:
+        return state.layout.block_of(state.index), state.stacks()
+    return state.index, state
+
+
+def _stored(layout: Layout, masters, streamed) -> tuple[tuple, tuple]:
+    """The state's arrays in storage order from every group's buckets (in group order):
+    a stacked block's bucket j is layer by layer's bucket j, stacked."""
+    stored_masters, stored_streamed = [], []
+    for unit in layout.units():
+        if isinstance(unit, int):
+            buckets = layout.groups[unit].bucket_indices
+            stored_masters += [masters[i] for i in buckets]
+            stored_streamed += [streamed[i] for i in buckets]
+            continue
+        for j in range(len(layout.groups[unit.first_group].bucket_sizes)):
+            buckets = [layout.groups[g].first_bucket + j
+                       for g in range(unit.first_group, unit.stop_group)]
+            stored_masters.append(jnp.stack([masters[i] for i in buckets]))
+            stored_streamed.append(tuple(jnp.stack(leaves)
+                                         for leaves in zip(*(streamed[i] for i in buckets))))
+    return tuple(stored_masters), tuple(stored_streamed)
 
 
 @jax.tree_util.register_dataclass
@@ -611,7 +767,7 @@ def _state_shardings(layout: Layout) -> OffloadStreamState:
     """The state's shardings: the streamed buckets in host memory, the resident ones and the
     shared state on the device (the shared state replicated)."""
     placement = layout.placement
-    buckets = tuple(placement.state_sharding(kind) for kind in layout.memory_kinds())
+    buckets = layout.state_array_shardings()
     num_streamed = len(layout.state_split.per_param_dtypes)
     num_shared = len(layout.state_split.per_param) - num_streamed
     return OffloadStreamState(buckets, tuple((s,) * num_streamed for s in buckets),

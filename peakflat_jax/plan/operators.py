@@ -126,8 +126,9 @@ def choose_layer_loop(config: Config, knobs, platform: str) -> tuple[Config, lis
     """``operators.layer_loop: auto`` resolved for a config whose operators are chosen:
     ``unrolled`` where the offloaded optimizer's update runs inside the next step's forward
     (XLA overlaps host copies with compute in straight-line code, not across a while loop's
-    iterations, and a scanned stack's stacked weights wait for every bucket: on an H200 h200-1
-    stepped in 1.83 s unrolled against 2.96 s scanned, docs/compile.md); else ``scan`` (one
+    iterations; the scanned stack that makes each MoE layer's update in the iteration before it,
+    ``sco.MadeInScan``, is taken there once its GPU step is measured no slower,
+    docs/compile.md); else ``scan`` (one
     layer compiled whatever the depth); always ``scan`` on CPUs, where the host copies lower to
     nothing. The two hold the same device memory on a GPU (the unrolled stack's hoisted MoE
     loop zeros are gone since ``pipelined_moe._zeros_after``: docs/plan.md), so the loop is

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -54,7 +55,7 @@ from peakflat_jax.model.attention import (
 from peakflat_jax.model.decoder import IGNORE
 from peakflat_jax.model.layers import Runtime
 from peakflat_jax.model.sharding import abstract_model, init_model
-from peakflat_jax.ops.sco import MadeInLoop
+from peakflat_jax.ops.sco import MadeInLoop, MadeInScan
 from peakflat_jax.plan import DoesNotFit, check_plan, offload_flags
 from peakflat_jax.plan.host_pool import LIMIT_VARIABLE
 from peakflat_jax.train import checkpoint as ckpt
@@ -102,8 +103,7 @@ def boundary_offload(config: Config, mesh) -> tuple[bool, ...]:
 def runtime_for(config: Config, mesh) -> Runtime:
     """What the model's forward reads of a config: its MoE dispatch and loss must be chosen
     (not ``auto``: the trainer's config is its plan's, ``Plan.filled_config``); a layer loop
-    left ``auto`` is ``scan`` here, as the planner resolves it wherever no optimizer stream
-    runs inside the forward."""
+    left ``auto`` is ``scan`` here, as the planner resolves it (``plan.terms.auto_layer_loop``)."""
     ops = config.operators
     unresolved = [name for name in ("moe_dispatch", "loss") if getattr(ops, name) == "auto"]
     if unresolved:
@@ -171,6 +171,9 @@ class Trainer:
         # is nothing to hide them under.
         self.overlap = (self.offloaded_optimizer and config.operators.optimizer_overlap
                         and config.model.num_layers > config.model.num_dense_layers)
+        # The scanned stack makes each MoE layer's update in the loop iteration before it, from
+        # its row of the optimizer state's stacked blocks (sco.MadeInScan).
+        self.stack_layer_state = self.overlap and self.runtime.operators.layer_loop == "scan"
         self.schedule = learning_rate_schedule(config.optimizer, self.total_steps)
         self.batches = data_pipeline.make_batches(
             config.data, vocab_size=config.model.vocab_size,
@@ -197,7 +200,8 @@ class Trainer:
             # that overlapping changes no bit; the first resident_groups stay on the device.
             make = self.optimizer.abstract_state if abstract else self.optimizer.init
             opt_state = make(params, stacked_layers=moe_stack_mask(params),
-                             resident_groups=self.config.optimizer.resident_groups)
+                             resident_groups=self.config.optimizer.resident_groups,
+                             stack_layers=self.stack_layer_state)
         elif self.host_cpu_optimizer:
             # One per structure in a process, as above: its compiled host update is reused.
             key = json.dumps({"update_on": "host_cpu",
@@ -409,16 +413,17 @@ class Trainer:
         as the optimizer's own step, then the gradient program; where ``apply`` is False the
         update leaves everything as it was (a step with nothing pending).
 
-        With the scanned layer stack the MoE layers' new weights are stacked for it (they wait
-        for all their groups); with the unrolled one each MoE layer's update is made inside the
-        forward (``MadeInLoop``): layer l's buckets are streamed in once layer l - 1 starts
-        (and, written back under the backward, updated once it is done), and layer l's forward
-        waits for them only, so that the host traffic can run under layer l - 1's compute.
-        (Updated before the forward, as the outer group still is, XLA:GPU scheduled every
-        bucket's copies and update ahead of the first layer: 366 of the 390 copies of h200-1's
-        step, none under compute.) With ``operators.optimizer_writeback: backward`` the
-        buckets are written back only once the loss exists, under the backward (no slot chain:
-        every updated bucket waits on the device)."""
+        The groups outside the MoE stack are updated first; each MoE layer's update is made
+        inside the forward, one layer ahead: with the unrolled stack (``MadeInLoop``) layer l's
+        buckets are streamed in once layer l - 1 starts, with the scanned one
+        (``MadeInScan``) in the loop iteration that computes layer l - 1, from the state's
+        stacked blocks (``stack_layers``, a row per layer). Layer l's forward waits for its own
+        update only, so that the host traffic can run under layer l - 1's compute. (Updated
+        before the forward, as the outer group still is, XLA:GPU scheduled every bucket's copies
+        and update ahead of the first layer: 366 of the 390 copies of h200-1's step, none under
+        compute.) With ``operators.optimizer_writeback: backward`` the buckets are written back
+        only once the loss exists, under the backward (no slot chain: every updated bucket
+        waits on the device)."""
         opt = self.optimizer
         layout = opt_state.layout
         scalars = opt.step_scalars(pending, opt_state, apply)
@@ -426,41 +431,76 @@ class Trainer:
         moe = moe_leaf_indices(params)
         new_leaves = list(leaves)
         num_moe_layers = self.config.model.num_layers - self.config.model.num_dense_layers
-        layer_leaves = [{} for _ in range(num_moe_layers)]
-        scanned = self.config.operators.layer_loop == "scan"
         # Written back as updated (the slot chain), or after the forward's loss.
         deferred = self.config.operators.optimizer_writeback == "backward"
         groups, slot_chain = [None] * len(layout.groups), None if deferred else []
         for index, group in enumerate(layout.groups):
-            if group.layer is not None and not scanned:
-                continue  # made inside the unrolled forward (below)
+            if group.layer is not None:
+                continue  # made inside the forward (below)
             updated, groups[index] = opt.update_group(layout.group_leaves(pending, index),
                                                       opt_state.group(index), scalars,
                                                       slot_chain=slot_chain,
                                                       write_back=not deferred)
             for i, leaf in zip(group.leaves, updated):
-                if group.layer is None:
-                    new_leaves[i] = leaf
-                else:
-                    layer_leaves[group.layer][i] = leaf
+                new_leaves[i] = leaf
 
-        def new_state(value):
-            """The state, its deferred buckets copied back once the loss exists."""
-            written = [opt.write_back(g, after=value) for g in groups] if deferred else groups
-            return opt.new_state(opt_state, written, scalars)
-
-        if scanned:
-            for i in moe:
-                new_leaves[i] = jnp.stack([layer[i] for layer in layer_leaves])
-            new_params = jax.tree.unflatten(treedef, new_leaves)
-            (value, counts), grads = jax.value_and_grad(self._loss, has_aux=True)(
-                new_params, extras, batch)
-            metrics = dict(loss=value, grad_norm=optax_global_norm(grads), counts=counts)
-            return (new_params, self._balanced_extras(extras, counts), new_state(value), grads,
-                    metrics)
         moe_def = jax.tree.structure(params["moe_layers"])
         outer = [leaf for i, leaf in enumerate(new_leaves) if i not in moe]
         abstract = {i: jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in moe}
+        # Each layer's new weights written into the donated stacks, whose old values the update
+        # does not read (it reads the fp32 master): they are the step's output. (The router's
+        # bias rides along; _balanced_extras reads its old value, so XLA may copy that small
+        # stack first.)
+        into = (jax.tree.unflatten(moe_def, [leaves[i] for i in moe]), extras["moe_layers"])
+        if self.runtime.operators.layer_loop == "scan":
+            made, units_of = self._made_in_scan(opt, layout, pending, opt_state, scalars,
+                                                moe, moe_def, extras, deferred, slot_chain,
+                                                into)
+        else:
+            made, units_of = self._made_in_loop(opt, layout, pending, opt_state, scalars, moe,
+                                                moe_def, extras, deferred, slot_chain, into,
+                                                num_moe_layers)
+
+        def loss(outer, offsets):
+            outer = iter(outer)
+            full = [abstract[i] if i in abstract else next(outer) for i in range(len(leaves))]
+            model = nnx.merge(self.graphdef, jax.tree.unflatten(treedef, full), extras)
+            layers = dataclasses.replace(made, offsets=offsets)
+            value, counts = model(batch, self.runtime, self.offload, moe_layers=layers)
+            *made_state, (stacked, _) = layers.results  # (.., the made params stacked)
+            return value, (counts, made_state, jax.tree.leaves(stacked))
+
+        # The gradients are taken with respect to zeros added to the made weights, stacked:
+        # each layer's are written in place into the stacked result (sco.MadeInLoop,
+        # sco.MadeInScan).
+        offsets = (jax.tree.unflatten(moe_def, [jnp.zeros(abstract[i].shape, abstract[i].dtype)
+                                                for i in moe]),
+                   jax.tree.map(jnp.zeros_like, extras["moe_layers"]))
+        (value, (counts, made_state, stacked)), (d_outer, (d_moe, _)) = jax.value_and_grad(
+            loss, argnums=(0, 1), has_aux=True)(outer, offsets)
+        d_outer, d_moe = iter(d_outer), jax.tree.leaves(d_moe)
+        grads, new_params = [], []
+        for i in range(len(leaves)):
+            if i in abstract:
+                k = moe.index(i)
+                grads.append(d_moe[k])
+                new_params.append(stacked[k])
+            else:
+                grads.append(next(d_outer))
+                new_params.append(new_leaves[i])
+        grads = jax.tree.unflatten(treedef, grads)
+        metrics = dict(loss=value, grad_norm=optax_global_norm(grads), counts=counts)
+        # The state, its deferred buckets copied back once the loss exists.
+        units = [opt.write_back(u, after=value) if deferred else u
+                 for u in units_of(groups, made_state)]
+        return (jax.tree.unflatten(treedef, new_params), self._balanced_extras(extras, counts),
+                opt.new_state(opt_state, units, scalars), grads, metrics)
+
+    def _made_in_loop(self, opt, layout, pending, opt_state, scalars, moe, moe_def, extras,
+                      deferred, slot_chain, into, num_moe_layers):
+        """The unrolled stack's MoE layers made inside its forward (``_overlapped``): the
+        ``MadeInLoop`` (its offsets set by the caller) and a function of (the outer groups' new
+        states, the made results' first part) giving the new state's units in order."""
         extras_layers = [jax.tree.map(lambda a, at=layer: a[at], extras["moe_layers"])
                          for layer in range(num_moe_layers)]
         layer_groups = [layout.layer_group(layer) for layer in range(num_moe_layers)]
@@ -483,49 +523,77 @@ class Trainer:
             return ((jax.tree.unflatten(moe_def, weights), extras_layers[layer]),
                     group_state, () if deferred else tuple(chain[-slots:]))
 
+        made = MadeInLoop(
+            make, tuple((layout.group_leaves(pending, g), opt_state.group(g), scalars)
+                        for g in layer_groups),
+            () if deferred else tuple(slot_chain[-slots:]), None, into=into)
 
-        def loss(outer, offsets):
-            outer = iter(outer)
-            full = [abstract[i] if i in abstract else next(outer) for i in range(len(leaves))]
-            model = nnx.merge(self.graphdef, jax.tree.unflatten(treedef, full), extras)
-            made = MadeInLoop(
-                make, tuple((layout.group_leaves(pending, g), opt_state.group(g), scalars)
-                            for g in layer_groups),
-                () if deferred else tuple(slot_chain[-slots:]),
-                offsets,
-                # Each layer's new weights written into the donated stacks, whose old values
-                # the update does not read (it reads the fp32 master): they are the step's
-                # output. (The router's bias rides along; _balanced_extras reads its old value,
-                # so XLA may copy that small stack first.)
-                into=(jax.tree.unflatten(moe_def, [leaves[i] for i in moe]),
-                      extras["moe_layers"]))
-            value, counts = model(batch, self.runtime, self.offload, moe_layers=made)
-            group_states, _, (stacked, _) = made.results
-            return value, (counts, group_states, jax.tree.leaves(stacked))
+        def units(groups, made_state):
+            group_states, _ = made_state  # MadeInLoop's results: the layers' states, the chain
+            groups = list(groups)
+            for layer, group_state in enumerate(group_states):
+                groups[layer_groups[layer]] = group_state
+            return groups
 
-        # The gradients are taken with respect to zeros added to the made weights, stacked:
-        # each layer's are written in place into the stacked result (sco.MadeInLoop).
-        offsets = (jax.tree.unflatten(moe_def, [jnp.zeros(abstract[i].shape, abstract[i].dtype)
-                                                for i in moe]),
-                   jax.tree.map(jnp.zeros_like, extras["moe_layers"]))
-        (value, (counts, group_states, stacked)), (d_outer, (d_moe, _)) = jax.value_and_grad(
-            loss, argnums=(0, 1), has_aux=True)(outer, offsets)
-        for layer, group_state in enumerate(group_states):
-            groups[layer_groups[layer]] = group_state
-        d_outer, d_moe = iter(d_outer), jax.tree.leaves(d_moe)
-        grads, new_params = [], []
-        for i in range(len(leaves)):
-            if i in abstract:
-                k = moe.index(i)
-                grads.append(d_moe[k])
-                new_params.append(stacked[k])
-            else:
-                grads.append(next(d_outer))
-                new_params.append(new_leaves[i])
-        grads = jax.tree.unflatten(treedef, grads)
-        metrics = dict(loss=value, grad_norm=optax_global_norm(grads), counts=counts)
-        return (jax.tree.unflatten(treedef, new_params), self._balanced_extras(extras, counts),
-                new_state(value), grads, metrics)
+        return made, units
+
+    def _made_in_scan(self, opt, layout, pending, opt_state, scalars, moe, moe_def, extras,
+                      deferred, slot_chain, into):
+        """The scanned stack's MoE layers made inside its forward (``_overlapped``): the
+        ``MadeInScan`` (its offsets set by the caller) and a function of (the outer groups' new
+        states, the made state) giving the new state's units in order. The MoE layers' state
+        is the layout's stacked blocks (``stack_layers``), each a segment: layer l's update
+        reads and writes its row (in place, or, written back under the backward, its new row
+        into a device copy of the block that goes back once the loss exists)."""
+        blocks = layout.blocks
+        first_group = layout.layer_group(0)
+        leaves = jax.tree.leaves(pending)
+        group_leaves = layout.groups[first_group].leaves  # every layer group's, alike
+        slots = opt.slots
+        outer_chain = () if deferred else tuple(slot_chain[-slots:])
+
+        def make(layer, carried, ready, segment):
+            """Layer ``layer``'s new weights (``layer`` traced but for the first, made before
+            the loop): its row of block ``segment`` updated, the block threaded on. The first
+            layer's buckets continue the outer groups' slot chain; a loop iteration's start a
+            chain of their own (the iteration before has ended). Written back under the
+            backward (no chain), each bucket's update also waits for layer l - 1 to end."""
+            states, new_rows = map(list, carried)
+            block = blocks[segment]
+            row = layer - (block.first_group - first_group)
+            grads = [lax.dynamic_index_in_dim(leaves[i], layer, 0, keepdims=False)
+                     for i in group_leaves]
+            index = layout.layer_group(layer) if isinstance(layer, int) else block.first_group
+            chain = None if deferred else list(outer_chain if isinstance(layer, int) else ())
+            updated, group_state = opt.update_group(grads, states[segment].group(row, index),
+                                                    scalars, slot_chain=chain,
+                                                    write_back=not deferred,
+                                                    after=ready if deferred else None)
+            if group_state.row is not None:
+                states[segment] = group_state.stacks()
+            else:  # a streamed row left on the device: into the block's device copy
+                new_rows[segment] = new_rows[segment].with_row(row, group_state)
+            by_leaf = dict(zip(group_leaves, updated))
+            extras_layer = jax.tree.map(
+                lambda a: lax.dynamic_index_in_dim(a, layer, 0, keepdims=False),
+                extras["moe_layers"])
+            return ((jax.tree.unflatten(moe_def, [by_leaf[i] for i in moe]), extras_layer),
+                    (tuple(states), tuple(new_rows)))
+
+        states = tuple(opt_state.block(block) for block in blocks)
+        new_rows = tuple(state.device_zeros() if deferred and not state.block.resident else None
+                         for state in states)
+        segments = tuple(blocks.index(layout.block_of(layout.layer_group(layer)))
+                         for layer in range(len(layout.groups) - first_group))
+        made = MadeInScan(make, (states, new_rows), segments, None, into=into)
+
+        def units(groups, made_state):
+            (states, new_rows), = made_state  # MadeInScan's results: the carried state
+            final = [rows if rows is not None else state for state, rows in zip(states, new_rows)]
+            return [groups[u] if isinstance(u, int) else final[blocks.index(u)]
+                    for u in layout.units()]
+
+        return made, units
 
     # -- the loop -----------------------------------------------------------------------------
 
