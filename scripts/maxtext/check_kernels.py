@@ -6,6 +6,7 @@ fp32 per-group reference; and cuDNN's causal flash attention at long context, fo
 forward + backward, which bounds either stack's MFU where attention is most of the FLOPs.
 
     python3 scripts/maxtext/check_kernels.py [--json OUT] [--attention-context 131072]
+        [--attention-only]
 
 Each grouped-matmul case is the h200-e2e expert shape (rows of H = 2048 -> F = 1536, 64 groups,
 two of them empty), bf16 operands, fresh random inputs. The relative error is
@@ -163,9 +164,13 @@ def main() -> None:
     parser.add_argument("--ragged-dot-fusion", action="store_true",
                         help="check jax.lax.ragged_dot only (start the process with the flag)")
     parser.add_argument("--attention-context", type=int, nargs="*", default=[])
+    parser.add_argument("--attention-only", action="store_true",
+                        help="time cuDNN's attention only (no grouped matmul)")
     args = parser.parse_args()
     record = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
-    if args.ragged_dot_fusion:
+    if args.attention_only:
+        pass
+    elif args.ragged_dot_fusion:
         record["grouped_matmul"] = grouped_matmul_cases(ragged_dot_path())
     else:
         paths = {}
