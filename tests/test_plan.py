@@ -21,7 +21,6 @@ from peakflat_jax import mesh as mop
 from peakflat_jax import plan as pl
 from peakflat_jax.cli import plan as plan_command
 from peakflat_jax.config import ConfigError, load_config
-from peakflat_jax.memory import compiled_memory
 from peakflat_jax.model.sharding import init_model
 from peakflat_jax.model.size import parameter_counts
 from peakflat_jax.ops import pipelined_moe as moe_module
@@ -227,11 +226,11 @@ def test_the_planner_is_pure(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 # The bound against XLA:CPU's plan of the trainer's programs.
 
-# Each operator on in two cases and off in two; the optimizer on the host CPU; the streamed
-# optimizer's first two groups resident on the device, its update a program of its own.
+# Each operator on in two cases and off in two (all off: the reduced configs below that leave
+# them auto); the optimizer on the host CPU; the streamed optimizer's first two groups resident
+# on the device, its update a program of its own.
 VARIANTS = {
     "all_on": [],
-    "all_off": ALL_OFF,
     "loss_and_optimizer_off": ["operators.loss=materialized", "operators.optimizer_offload=false"],
     "moe_and_offload_off": ["operators.moe_dispatch=ep", "operators.offload=none"],
     "host_cpu": [*ALL_OFF, "optimizer.update_on=host_cpu"],
@@ -242,20 +241,19 @@ ROLES = {"train_step": "gradient", "gradient_step": "gradient", "overlapped_step
 
 
 @pytest.fixture(scope="module")
-def compiled_programs(tmp_path_factory):
-    """XLA's plans of the programs the trainer compiles for each variant (for the state's
-    shapes: nothing is made), by the plan's program each is held to; compiled once for the
-    module's tests."""
-    from peakflat_jax.train.trainer import Trainer
+def compiled_programs():
+    """XLA's plans of the programs the trainer compiles for each variant's plan
+    (``preflight.check``: for the state's shapes, nothing made), by the plan's program each is
+    held to; compiled once for the module's tests."""
+    from peakflat_jax.train import preflight
 
     done = {}
 
     def get(variant):
         if variant not in done:
-            trainer = Trainer(small(*VARIANTS[variant]),
-                              run_dir=str(tmp_path_factory.mktemp(variant)))
-            done[variant] = {ROLES[name]: compiled_memory(program)
-                             for name, program in trainer.compiled_programs().items()}
+            plan = pl.make_plan(small(*VARIANTS[variant]), 8, platform="cpu", baseline=False,
+                                search_context=False)
+            done[variant] = {ROLES[c.name]: c.xla for c in preflight.check(plan)}
         return done[variant]
 
     return get
@@ -332,6 +330,14 @@ def test_host_terms_are_the_host_updates_plan(compiled_programs):
     assert 0 <= xla.temp - 4 * largest <= BOOKKEEPING_BYTES
     assert terms["optimizer_update"].bytes == 0
     assert not any(t.name.startswith("optimizer_step.") for t in terms.values())
+    # peakflat plan --check holds that program, per device, to the host terms of it.
+    from peakflat_jax.train import preflight
+
+    plan = pl.make_plan(config, 8, platform="cpu", baseline=False, search_context=False)
+    update = next(c for c in preflight.check(plan) if c.name == "host_cpu_update")
+    assert update.bound == sum(by_name(plan.terms)[name].bytes
+                               for name in preflight.HOST_UPDATE_TERMS)
+    assert update.devices == 8 and update.holds and update.xla_device_bytes > 0.99 * update.bound
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ the reason says so. With the device's memory unknown, nothing binds: all off.
 
 The closed form chooses; the compile confirms. The plan lists the settings lighter than the
 chosen one by the closed form, fastest first (``Plan.lighter``): where XLA's plan of the chosen
-setting does not fit the device, the trainer compiles the next (``train.preflight``).
+setting does not fit the device, the trainer compiles the next
+(``train.trainer.fitting_trainer``).
 
 The host-CPU optimizer (``optimizer.update_on: host_cpu``, ZeRO-Offload's placement) is not one
 of the choices: it is the standard stack's answer to the optimizer's peak, taken only where a

@@ -203,18 +203,23 @@ def largest(config: Config, num_devices: int, *, device_memory: int, host_memory
             resolution: float = 0.02, log: Callable[[str], None] = lambda line: None
             ) -> Largest:
     """The largest context (a multiple of what the mesh and the attention kernel take) whose
-    compiled programs fit ``device_memory``, by bisection over compiles from the closed form's
-    largest context, to ``resolution`` of it (and at least one unit); each probe is logged."""
+    compiled programs fit ``device_memory``, by bisection over compiles, to ``resolution`` of
+    it (and at least one unit); each probe is logged. The search starts between the closed
+    form's largest context (XLA's plan is under the closed form there, by the margin's high)
+    and the context where the closed form times the margin's low passes the device (past it
+    nothing is compiled): the margin bounds where the edge can be."""
     started = time.perf_counter()
     platform, kind, stats = platform_of(), device_kind_of(), data_stats(config.data)
 
-    def plan_at(context: int | None, search: bool = False) -> Plan:
-        return make_plan(config, num_devices, context=context, device_memory=device_memory,
+    def plan_at(context: int | None, search: bool = False, memory: int = device_memory) -> Plan:
+        return make_plan(config, num_devices, context=context, device_memory=memory,
                          host_memory=host_memory, platform=platform, device_kind=kind,
                          data_stats=stats, baseline=False, search_context=search)
 
     closed = plan_at(None, search=True)
     _check_machine(closed, "--largest")
+    low_margin, _ = closed.target.measured.margin.get("device", (1.0, 1.0))
+    ceiling = plan_at(None, search=True, memory=int(device_memory / low_margin)).largest_context
     unit = context_unit(closed)
     probes: list[Probe] = []
 
@@ -233,25 +238,31 @@ def largest(config: Config, num_devices: int, *, device_memory: int, host_memory
         return probe.fits
 
     start = max(unit, (closed.largest_context or unit) // unit * unit)
-    low, width = bisect_contexts(fits, start, unit, resolution)
+    low, width = bisect_contexts(fits, start, unit, resolution,
+                                 ceiling=None if ceiling is None else max(start, ceiling))
     return Largest(low, closed.largest_context, width, tuple(probes),
                    time.perf_counter() - started)
 
 
-def bisect_contexts(fits: Callable[[int], bool], start: int, unit: int,
-                    resolution: float) -> tuple[int | None, int]:
+def bisect_contexts(fits: Callable[[int], bool], start: int, unit: int, resolution: float,
+                    ceiling: int | None = None) -> tuple[int | None, int]:
     """(the largest multiple of ``unit`` that ``fits``, the width it is known within) for a
-    monotone ``fits``, from ``start``: up by growing steps while it fits (else down by
-    quarters), then bisection until the bracket is within ``resolution`` of the answer (and
-    one unit). None where not even ``unit`` fits."""
+    monotone ``fits``: with a ``ceiling`` (past which nothing fits), bisection between
+    ``start`` (taken to fit, checked at the end if the answer is it) and the ceiling; without,
+    up from ``start`` by growing steps while it fits; down by quarters from where it does not;
+    then bisection until the bracket is within ``resolution`` of the answer (and one unit).
+    None where not even ``unit`` fits."""
     def round_down(context: int) -> int:
-        return context // unit * unit
+        return max(unit, context // unit * unit)
 
     low = high = None
-    if fits(start):
-        low, step = start, start
+    checked = False
+    if ceiling is not None:
+        low, high = start, round_down(ceiling) + unit
+    elif fits(start):
+        low, step, checked = start, start, True
         while high is None:
-            step = max(unit, round_down(step // 4))
+            step = round_down(step // 4)
             if fits(low + step):
                 low += step
                 step *= 8  # each fit widens the next step
@@ -259,24 +270,27 @@ def bisect_contexts(fits: Callable[[int], bool], start: int, unit: int,
                 high = low + step
     else:
         high = start
-        while low is None and high > unit:
-            candidate = max(unit, round_down(high * 3 // 4))
+    while True:
+        while low is None and high > unit:  # down by quarters to a context that fits
+            candidate = round_down(high * 3 // 4)
             if fits(candidate):
-                low = candidate
+                low, checked = candidate, True
             else:
                 high = candidate
-    if low is None:
-        return None, unit
-    width = max(unit, round_down(int(resolution * low)))
-    while high - low > width:
-        middle = round_down((low + high) // 2)
-        if middle <= low:
-            break
-        if fits(middle):
-            low = middle
-        else:
-            high = middle
-    return low, width
+        if low is None:
+            return None, unit
+        width = round_down(int(resolution * low))
+        while high - low > width:
+            middle = round_down((low + high) // 2)
+            if middle <= low:
+                break
+            if fits(middle):
+                low, checked = middle, True
+            else:
+                high = middle
+        if checked or fits(low):
+            return low, width
+        low, high = None, low  # the start taken to fit did not: search below it
 
 
 def context_unit(plan: Plan) -> int:

@@ -324,14 +324,16 @@ class Trainer:
         return (program, json.dumps(config, sort_keys=True),
                 tuple(d.id for d in np.asarray(self.mesh.devices).flat))
 
-    def _compiled(self, program: str, compile_it, what: str):
-        """The program compiled (or reused), its XLA plan checked against the device."""
+    def _compiled(self, program: str, compile_it, what: str, device: bool = True):
+        """The program compiled (or reused), its XLA plan checked against the device (a
+        ``device`` program's)."""
         key = self._program_key(program)
         if key not in _PROGRAMS:
             started = time.perf_counter()
             _PROGRAMS[key] = compile_it()
             self.compile_seconds[what] = time.perf_counter() - started
-        self._check_fits(_PROGRAMS[key], what)
+        if device:
+            self._check_fits(_PROGRAMS[key], what)
         return _PROGRAMS[key]
 
     def _check_fits(self, compiled, what: str) -> None:
@@ -379,11 +381,15 @@ class Trainer:
                     ("train_step", "gradient_step", "overlapped_step")
                     if hasattr(self, "_" + name)}
         if self.offloaded_optimizer:
-            compiled["optimizer_step"] = self.optimizer.lower(state.params,
-                                                              state.opt_state).compile()
-        if self.host_cpu_optimizer:
-            compiled["host_cpu_update"] = self.optimizer.lower(state.params,
-                                                               state.opt_state).compile()
+            compiled["optimizer_step"] = self._compiled(
+                "optimizer_step", lambda: self.optimizer.lower(state.params,
+                                                               state.opt_state).compile(),
+                "the optimizer's step")
+        if self.host_cpu_optimizer:  # a program of the host's memory, not the device's
+            compiled["host_cpu_update"] = self._compiled(
+                "host_cpu_update", lambda: self.optimizer.lower(state.params,
+                                                                state.opt_state).compile(),
+                "the host CPU update", device=False)
         return compiled
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
