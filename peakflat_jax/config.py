@@ -14,6 +14,7 @@ them by name as well as by path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import pathlib
 import re
@@ -357,11 +358,11 @@ class OptimizerConfig:
     device memory instead of the host (offloaded optimizer): 1 is the weights outside the MoE
     stack (embedding, dense layers, final norm, head), each further one the next MoE layer, up
     to 1 + the MoE layers; null: as many as fit on the device beside the step (the planner
-    chooses; none where the device's memory is unknown). Each resident group costs 12 bytes a
-    parameter of device memory and saves 24 bytes a parameter of host-link traffic a step;
-    the first groups are the ones whose copies have no forward to hide under (updated before
-    the first layer, or inside the first layers' forward). The numbers are the same bit for
-    bit."""
+    chooses; none where the device's memory is unknown, and on a CPU, whose host memory is the
+    device's). Each resident group costs 12 bytes a parameter of device memory and saves 24
+    bytes a parameter of host-link traffic a step; the first groups are the ones whose copies
+    have no forward to hide under (updated before the first layer, or inside the first layers'
+    forward). The numbers are the same bit for bit."""
     update_on: Literal["device", "host_cpu"] = "device"
     """Where the standard stack's AdamW (``operators.optimizer_offload: false``) keeps its state
     and runs its update: ``device``, optax on the device inside the step, the fp32 master and
@@ -430,11 +431,23 @@ class DeviceConfig:
     pinned_host_pool: Literal["xla", "planned"] = "planned"
     """On a GPU, the cap of XLA's pinned-host pool, which serves the offloaded optimizer's
     state and SCO's boundaries and grows by doubling regions (up to twice the live bytes):
-    ``planned``, ``peakflat train`` sets ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` from the plan's
-    pinned bytes (10% and 2 GiB of margin) before the backend starts, where it is unset
-    (``plan.host_pool``); ``xla``, XLA's own (64 GiB unless that variable is set). Planned by
-    default: h200-1 with all four operators on was resident at 47.96 GiB with it against 72.02
-    with XLA's pool, at the same step time (h200_1_session_gpu_20261201-162217.json)."""
+    ``planned``, ``peakflat train`` sets ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` to the plan's
+    ``pinned_pool_cap_gib`` (its pinned bytes, 10% and 2 GiB of margin) before the backend
+    starts, where it is unset (``plan.host_pool``); ``xla``, XLA's own (64 GiB unless that
+    variable is set). The pool is resident memory: capped, it holds the planned bytes and the
+    margin instead of up to twice them (docs/plan.md)."""
+    kind: str | None = None
+    """The devices' kind as jax names it (``NVIDIA H200``): which measured constants the plan
+    takes (``peakflat_jax/plan/measured.json``: the host runtime, cuDNN's scratch, the rates,
+    the margin); None: the platform's default entry. A run takes its devices' own."""
+    xla_flags: list = dataclasses.field(default_factory=list)
+    """XLA flags (``--name=value``) that ``peakflat`` adds to ``XLA_FLAGS`` before the backend
+    starts, for this config's commands (a flag ``XLA_FLAGS`` sets already wins); none by
+    default. An experimental flag belongs here, where a config asks for it, not in every
+    command: a jax upgrade may rename it, and XLA refuses a flag it does not know. E.g.
+    ``--xla_gpu_experimental_parallel_async_compute_limit=8``: XLA:GPU's scheduler keeps 8 host
+    copies in flight beside compute where jax 0.11.2 keeps 2, so that the streamed optimizer's
+    copies hide under compute (docs/offload_adamw.md)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -523,11 +536,17 @@ def to_dict(config) -> dict:
     return dataclasses.asdict(config)
 
 
+@functools.cache
+def _type_hints(cls) -> dict:
+    """``typing.get_type_hints`` of a config class, evaluated once (``replace`` builds many)."""
+    return typing.get_type_hints(cls)
+
+
 def _build(cls, raw, prefix: str):
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of "
                           f"{cls.__name__}'s fields, got {raw!r}")
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
@@ -715,6 +734,10 @@ def check_config(config: Config) -> Config:
                        ("device.host_memory_gib", target.host_memory_gib)):
         if value is not None and not (value > 0 and math.isfinite(value)):
             raise ConfigError(f"{key}: expected null or a positive number of GiB, got {value}")
+    for flag in target.xla_flags:
+        if not (isinstance(flag, str) and re.fullmatch(r"--xla_\w+(=\S+)?", flag)):
+            raise ConfigError(f"device.xla_flags: expected XLA flags like --xla_name=value, "
+                              f"got {flag!r}")
     return config
 
 

@@ -30,7 +30,7 @@ from peakflat_jax.memory import compiled_memory
 from peakflat_jax.model.decoder import MoEDecoder
 from peakflat_jax.model.sharding import state_shardings
 from peakflat_jax.plan import make_plan
-from peakflat_jax.plan.machine import read_device_memory
+from peakflat_jax.train.machine import read_device_memory
 from peakflat_jax.train.trainer import boundary_offload, runtime_for
 
 

@@ -19,8 +19,8 @@ import sys
 import tarfile
 import tempfile
 
-from peakflat_jax.bench import device_profile
 from peakflat_jax.bench.harness import RESULTS_DIR
+from peakflat_jax.train import device_profile
 
 
 def main(argv: list[str]) -> int:

@@ -72,17 +72,3 @@ def torch_python() -> str:
     if completed.returncode:
         pytest.fail(f"scripts/xcheck_torch_env.sh failed:\n{completed.stderr[-4000:]}")
     return completed.stdout.strip().splitlines()[-1]
-
-
-def pytest_collection_modifyitems(items):
-    """The marks a test module gives its tests by name (``MARKS_BY_NAME``: a test's name, its
-    parameters' id included, to a mark), for marks that follow from a measurement's date rather
-    than from a parameter (tests/test_plan_gpu_measured.py)."""
-    for module in {getattr(item, "module", None) for item in items} - {None}:
-        for name in getattr(module, "MARKS_BY_NAME", {}):
-            if not callable(getattr(module, name.split("[")[0], None)):
-                raise pytest.UsageError(f"{module.__name__}.MARKS_BY_NAME: no test {name}")
-    for item in items:
-        mark = getattr(getattr(item, "module", None), "MARKS_BY_NAME", {}).get(item.name)
-        if mark is not None:
-            item.add_marker(mark)

@@ -487,7 +487,8 @@ def test_planner_counts_the_pipeline_of_a_jsonl_source(tmp_path, tokenizer_dir, 
         "data.source=jsonl", f"data.path={tmp_path / 'chat.jsonl'}", "data.prompt_field=p",
         "data.response_field=r", f"data.tokenizer={tokenizer_dir}", "model.vocab_size=320",
         "data.seq_len=64"])
-    plan = make_plan(config, 8, platform="cpu", baseline=False, search_context=False)
+    plan = make_plan(config, 8, platform="cpu", baseline=False, search_context=False,
+                     data_stats=pf_data.data_stats(config.data))
     term = next(term for term in plan.terms if term.name == "host.data_pipeline")
     longest = pf_data.describe(config.data)["longest_document"]
     assert longest == max(len(line) for line in (tmp_path / "chat.jsonl").read_bytes().split(

@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from peakflat_jax.bench import device_profile, harness
+from peakflat_jax.bench import harness
+from peakflat_jax.train import device_profile
 
 
 def test_summary_takes_the_union_per_stream_and_ranks_ops_per_device():

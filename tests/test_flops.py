@@ -73,11 +73,15 @@ def test_synthetic_data_gives_full_causal():
 def test_packed_chapters_count_a_small_share_of_full_causal():
     """At h200-1's 64K context the chapters (level 1) leave a few percent of full causal; the
     books (level 2, the preset) most of it; synthetic all."""
+    from peakflat_jax.plan.rates import attention_fraction
+
+    def fraction(config):
+        return attention_fraction(plan.Target(data=pf_data.data_stats(config.data)), 65536)
+
     config = load_config("h200-1")
-    assert plan.attention_fraction(config, 65536) > 0.5
-    chapters = config.replace(data={"document_blank_lines": 1})
-    assert plan.attention_fraction(chapters, 65536) < 0.15
-    assert plan.attention_fraction(config.replace(data={"source": "synthetic"}), 65536) == 1.0
+    assert fraction(config) > 0.5
+    assert fraction(config.replace(data={"document_blank_lines": 1})) < 0.15
+    assert fraction(config.replace(data={"source": "synthetic"})) == 1.0
 
 
 def test_the_step_estimate_counts_attention_within_documents():
@@ -86,14 +90,17 @@ def test_the_step_estimate_counts_attention_within_documents():
         "moe_dispatch": "pipelined", "loss": "ring", "offload": "none",
         "optimizer_offload": False})
     knobs = plan.knobs_from_config(config, 1, context=config.data.seq_len, platform="gpu")
-    fast = dataclasses.replace(plan.Rates(), attention_flops=1e30)
+    rates = plan.measured_for("gpu").rates
+    fast = dataclasses.replace(rates, attention_flops=1e30)
     m = config.model
     for data in ({"document_blank_lines": 1}, {"document_blank_lines": 2}, {"source": "synthetic"}):
         c = config.replace(data=data)
-        attention = plan.step_seconds(c, knobs) - plan.step_seconds(c, knobs, fast)
+        target = plan.Target(data=pf_data.data_stats(c.data))
+        attention = (plan.step_seconds(c, knobs, target)
+                     - plan.step_seconds(c, knobs, dataclasses.replace(target, rates=fast)))
         pairs = pf_data.causal_pairs_per_sequence(c.data, knobs.context)
         expected = 16 * m.num_layers * m.num_heads * m.head_dim * pairs * (
-            knobs.tokens_per_device / knobs.context) / plan.Rates().attention_flops
+            knobs.tokens_per_device / knobs.context) / rates.attention_flops
         np.testing.assert_allclose(attention, expected, rtol=1e-6)
 
 

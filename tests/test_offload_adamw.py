@@ -259,7 +259,7 @@ def test_a_state_whose_arrays_do_not_fit_its_layout_is_refused(rng):
     opt = pf.offload_stream_adamw(1e-3, bucket_params=100)
     state = opt.init(params)
     truncated = dataclasses.replace(state, streamed=state.streamed[:-1])
-    with pytest.raises(ValueError, match="state: expected .* buckets of shapes"):
+    with pytest.raises(ValueError, match="state: expected .* arrays of shapes"):
         opt.step(random_grads(rng, params), truncated)
     with pytest.raises(ValueError, match="state: expected the OffloadStreamState"):
         opt.master_params({"master": state.master})

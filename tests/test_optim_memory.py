@@ -13,7 +13,8 @@ import pytest
 
 import peakflat_jax as pf
 from peakflat_jax import memory
-from peakflat_jax.optim import offload_adamw, offload_stream, on_device_adamw
+from peakflat_jax.optim import offload_adamw, offload_stream
+from peakflat_jax.plan import optimizer_terms
 
 # XLA:CPU adds a pointer table of 8 bytes per output buffer to the output size, and the step
 # count (4 bytes) is left out of the terms: the plan may exceed the terms by this little.
@@ -117,8 +118,8 @@ def test_on_device_adamw_terms_match_the_cpu_plan(dtype):
 
     compiled = jax.jit(step, donate_argnums=(0, 2)).lower(master, grads, state).compile()
     plan = memory.compiled_memory(compiled)
-    terms = on_device_adamw.on_device_adamw_memory_terms(num_params, dtype)
-    assert set(terms) == set(on_device_adamw.MEMORY_FORMULAS)
+    terms = optimizer_terms.on_device_adamw_memory_terms(num_params, dtype)
+    assert set(terms) == set(optimizer_terms.ON_DEVICE_FORMULAS)
     assert sum(terms.values()) == 16 * num_params
     # Measured: the plan's total exceeds the terms by 176 (fp32) and 140 (bf16) bytes: the
     # count, scalar temporaries and the output table.

@@ -40,14 +40,9 @@ def test_where_the_standard_stack_fits_nothing_is_on():
 
 @pytest.mark.parametrize("position", [1 / 3, 2 / 3], ids=["a third in", "two thirds in"])
 def test_where_it_does_not_the_chosen_set_fits_and_none_fits_faster(position):
-    """Past the standard stack's longest context and within ours' (at 139 GiB, 634,982 and
-    670,526 tokens: ours' is 1.056x the standard stack's since its MoE layer is counted as
-    XLA:GPU holds it at long contexts, 2026-12-02, docs/plan.md; with the overcount
-    before it was 1.21x, and this test took 1.1x and 1.2x of the standard stack's context,
-    where no setting fits now): the chosen set fits, the standard stack does not, and of every
-    setting of the four switches that fits none has a shorter estimated step (nor, at the same
-    time, fewer operators on). That ours reaches past the standard stack is measured too
-    (tests/test_plan_gpu_measured.py::test_ours_fits_where_the_standard_stack_stops)."""
+    """Past the standard stack's longest context and within ours': the chosen set fits, the
+    standard stack does not, and of every setting of the four switches that fits none has a
+    shorter estimated step (nor, at the same time, fewer operators on)."""
     standard = make_plan(load_config("h200-1", forced({n: v[0] for n, v in CHOICES.items()})),
                          1, baseline=False, **H200).largest_context
     ours = make_plan(load_config("h200-1"), 1, baseline=False, **H200).largest_context
@@ -74,11 +69,7 @@ def test_a_forced_operator_stays():
 
 
 @pytest.mark.parametrize("overrides, lightest", [
-    # h200-1 at 1M tokens: every operator on is the lightest (157.3 GiB against the standard
-    # stack's 199.8, its step counted as XLA:GPU schedules it, plan.programs.step_terms). The
-    # standard stack was, while the dense FFN's four [N, F_d] were counted under the
-    # attention's backward where SCO offloads (all four on 204.1;
-    # model.layers.weight_gradients_first).
+    # h200-1 at 1M tokens: every operator on is the lightest.
     ([], len(SWITCHES)),
     # one document a sequence (one cuDNN run): every operator on is the lightest
     (["data.max_segments=1"], len(SWITCHES)),
@@ -157,10 +148,9 @@ def test_auto_never_puts_the_optimizer_on_the_host_cpu(context):
 def test_with_host_cpu_the_stream_stays_off_and_the_state_leaves_the_device():
     """With optimizer.update_on: host_cpu, optimizer_offload: auto resolves to false (said in
     a choice), --auto never streams either; what the device holds throughout is the device
-    AdamW's less its fp32 master and moments (12 bytes a parameter), which are host terms now
-    (the layers' terms differ too: only the device AdamW's step is the standard stack's as
-    measured, plan.programs.step_terms); and the step
-    estimate adds the host's update and the copies (gradients down, params up)."""
+    AdamW's less its fp32 master and moments (12 bytes a parameter), which are host terms now;
+    and the step estimate adds the host's update and the copies (gradients down, params
+    up)."""
     from peakflat_jax.plan import Rates, model_weights
 
     off = [f"operators.{n}={str(v[0]).lower()}" for n, v in CHOICES.items()
@@ -211,18 +201,15 @@ def test_every_context_below_the_largest_fits():
 
 @pytest.mark.parametrize("name, overrides", [
     ("h200-e2e", []),
-    # All the optimizer's state resident: the operators' variants are heavier than the
-    # standard stack as XLA:GPU schedules it, whose largest (592,826) is then auto's.
+    # All the optimizer's state resident: the operators' variants hold it on the device too.
     ("h200-1", ["optimizer.resident_groups=8"]),
 ], ids=["h200-e2e", "h200-1 state resident"])
 def test_the_largest_context_is_where_some_setting_still_fits(name, overrides):
     """The largest context of an ``auto`` config is searched over the settings that trade the
     device's memory for the host's and the standard stack (plan.operators.capable_variants):
     held against every one of the 16 settings of the four switches, forced, at that context
-    and the next multiple. h200-e2e on an H200 (132.8 GiB, 124.8 of host): with every boundary
-    offloaded the host binds first, with none the device, later. h200-1 with its streamed
-    optimizer's state all resident: the standard stack goes furthest (a search over
-    the operators' variants alone stopped at 512,474)."""
+    and the next multiple. h200-e2e on an H200 (132.8 GiB, 124.8 of host), and h200-1 with its
+    streamed optimizer's state all resident."""
     memory = dict(device_memory=int(132.8 * GIB), host_memory=int(124.8 * GIB), platform="gpu")
     largest = make_plan(load_config(name, overrides), 1, baseline=False,
                         **memory).largest_context

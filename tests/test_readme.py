@@ -129,3 +129,27 @@ def test_the_loss_forms_take_either_axis_type_and_pad_the_vocab(axis_types, loss
         np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-4, atol=1e-6)
     eager = mean_loss(hidden, kernel)  # outside jit: the same program
     np.testing.assert_allclose(float(eager), float(expected), rtol=1e-5)
+
+
+def quoted_commands() -> list[tuple[list[str], list[str]]]:
+    """The README's ``console`` blocks: each ``$ peakflat ...`` command with the lines quoted
+    after it (its output's first lines)."""
+    quoted = []
+    for block in re.findall(r"^```console\n(.*?)^```", README.read_text(), re.S | re.M):
+        for chunk in re.split(r"^\$ ", block, flags=re.M)[1:]:
+            command, *output = chunk.rstrip("\n").split("\n")
+            quoted.append((command.split(), output))
+    return quoted
+
+
+def test_the_readme_quotes_what_peakflat_plan_prints(capsys):
+    """Every ``peakflat plan`` figure the README quotes is what the tool prints at this commit."""
+    from peakflat_jax import cli
+
+    commands = quoted_commands()
+    assert commands, "the README quotes no peakflat command"
+    for words, output in commands:
+        assert words[:2] == ["peakflat", "plan"], words
+        assert cli.main(words[1:]) == 0
+        printed = capsys.readouterr().out.splitlines()
+        assert printed[:len(output)] == output, (words, printed[:len(output)])

@@ -8,6 +8,7 @@ from _helpers import load_script
 
 from peakflat_jax.config import load_config
 from peakflat_jax.plan import make_plan
+from peakflat_jax.train.data import data_stats
 
 record = load_script("record_gpu_session")
 
@@ -19,11 +20,11 @@ def test_a_driver_s_command_is_planned_as_its_config_and_overrides(monkeypatch):
                "--run-dir /tmp/r1 operators.layer_loop=unrolled train.checkpoints=false "
                "--no-progress --overwrite")
     assert record.train_words(command)[:2] == ["h200-1", "train.steps=5"]
-    plan = make_plan(load_config("h200-1", ["train.steps=5", "operators.optimizer_offload=true",
-                                            "operators.layer_loop=unrolled",
-                                            "train.checkpoints=false"]),
-                     1, platform="gpu", baseline=False, search_context=False,
-                     device_memory=int(132.8 * 2**30))
+    config = load_config("h200-1", ["train.steps=5", "operators.optimizer_offload=true",
+                                    "operators.layer_loop=unrolled", "train.checkpoints=false"])
+    plan = make_plan(config, 1, platform="gpu", device_kind="NVIDIA H200", baseline=False,
+                     search_context=False, device_memory=int(132.8 * 2**30),
+                     host_memory=int(124.8 * 2**30), data_stats=data_stats(config.data))
     got = record.plan_gib(command)
     assert got["plan_device_gib"] == round(plan.total_bytes / 2**30, 2)
     assert got["plan_host_gib"] == round(plan.host_bytes / 2**30, 2)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import jax
 
 from peakflat_jax import memory
-from peakflat_jax.bench import device_profile
+from peakflat_jax.train import device_profile
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "results"
 

@@ -51,17 +51,16 @@ def presets() -> dict[str, list[dict]]:
 
 
 def run_case(case: dict) -> dict:
-    from peakflat_jax.cli import enable_compilation_cache
     from peakflat_jax.config import load_config
     from peakflat_jax.model.size import model_flops
-    from peakflat_jax.plan.host_pool import cap_from_plan
+    from peakflat_jax.train.machine import enable_compilation_cache, set_pool_cap
     from peakflat_jax.train.metrics import device_memory_bytes, host_peak_resident_bytes
     from peakflat_jax.train.trainer import DoesNotFit, Trainer
 
     mode = case["mode"]
     config = load_config(case["config"], [*case.get("overrides", []), *MODES[mode],
                                           "train.checkpoint_every=0"])
-    cap_from_plan(config)  # as peakflat train does, before the backend starts
+    set_pool_cap(config)  # as peakflat train does, before the backend starts
     enable_compilation_cache()  # the modes of one config share its gradient program
     trainer = Trainer(config, run_dir=tempfile.mkdtemp())
     state = trainer.initial_state()
@@ -73,8 +72,8 @@ def run_case(case: dict) -> dict:
     except DoesNotFit as error:
         return {"error": "DoesNotFit", "oom": True, "message": str(error)[:2000]}
     result = {"compile_s": time.perf_counter() - started, "xla_plan_bytes": trainer.xla_plan.total,
-              "parameters": _parameter_count(state.params), "plan_bytes": _plan_bytes(config),
-              "optimizer": trainer.optimizer_placement()}
+              "parameters": _parameter_count(state.params),
+              "plan_bytes": trainer.plan.total_bytes, "optimizer": trainer.optimizer_placement()}
     samples, losses = [], []
     for i, batch in enumerate(batches):
         started = time.perf_counter()
@@ -102,19 +101,6 @@ def run_case(case: dict) -> dict:
 
 def _parameter_count(params) -> int:
     return sum(leaf.size for leaf in jax.tree.leaves(params))
-
-
-def _plan_bytes(config) -> int | None:
-    """The planner's device total for this config on this machine's devices (None where the
-    planner cannot say, e.g. without a known device memory)."""
-    try:
-        from peakflat_jax import plan
-    except ImportError:
-        return None
-    try:
-        return plan.device_total_bytes(config, num_devices=len(jax.devices()))
-    except Exception:  # the planner's verdict is a reading here, not a reason to fail the case
-        return None
 
 
 def summarize(record: dict) -> str:

@@ -47,11 +47,6 @@ class Runtime:
     attention: str  # "cudnn" | "xla", resolved
     max_segments: int
     token_budget: int | None
-    weight_gradients_first: bool = False
-    """Whether the FFNs' backward (dense layers, shared expert) releases its input's cotangent
-    only with its weights' gradients (``weight_gradients_first``): set where SCO offloads a
-    boundary, whose stack bounds each layer's backward (the planner's ``ffn.under_attention``
-    is 0 there)."""
 
 
 def gathered(mesh: Mesh, weight: jax.Array) -> jax.Array:
@@ -192,35 +187,9 @@ class Attention(nnx.Module):
         return on_tokens(mesh, out if self.bo is None else out + gathered(mesh, self.bo[...]))
 
 
-def weight_gradients_first(fn):
-    """``fn(x, *weights)`` whose backward hands out the cotangent of ``x`` only once the
-    weights' gradients are computed (one ``optimization_barrier`` over all of them): what
-    consumes it, the layer's attention backward, then starts with none of ``fn``'s
-    intermediates live. Without it XLA:GPU may compute the weight gradients last, holding
-    four bf16 ``[N, F]`` buffers of the dense FFN through the attention's backward (h200-1 at
-    64K and 256K: 4 N F b bytes, 32 GiB at 524,288 tokens) or first (at 524,288 and 698,002
-    with all four operators on): an order the planner cannot know, so it counted the worse
-    one. Values and gradients are ``fn``'s exactly; the forward saves what ``jax.vjp`` of
-    ``fn`` saves."""
-
-    @jax.custom_vjp
-    def ordered(x, *weights):
-        return fn(x, *weights)
-
-    def forward(x, *weights):
-        return jax.vjp(fn, x, *weights)  # the vjp function is a pytree of the residuals
-
-    def backward(vjp, d_out):
-        return jax.lax.optimization_barrier(vjp(d_out))
-
-    ordered.defvjp(forward, backward)
-    return ordered
-
-
 class FFN(nnx.Module):
     """A dense SwiGLU FFN: ``(silu(x W_gate) * (x W_up)) W_down`` (the dense layers' and the MoE's
-    shared expert); its backward ordered by ``weight_gradients_first`` where the runtime says
-    so."""
+    shared expert)."""
 
     def __init__(self, hidden: int, width: int, config: ModelConfig, rngs: nnx.Rngs):
         dtype, std = jnp.dtype(config.dtype), config.init_std
@@ -238,8 +207,6 @@ class FFN(nnx.Module):
             return on_tokens(mesh, jnp.einsum("btf,fh->bth", jax.nn.silu(gate) * up,
                                               gathered(mesh, w_down)))
 
-        if run.weight_gradients_first:
-            swiglu = weight_gradients_first(swiglu)
         return swiglu(x, self.w_gate[...], self.w_up[...], self.w_down[...])
 
 

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 GIB = 2**30
 
-# ----------------------------------------------------------------------------------------------
-# Errors.
-
 
 class PlanError(ValueError):
     """An argument the planner cannot plan for, named in the message."""
@@ -14,4 +11,4 @@ class PlanError(ValueError):
 
 class DoesNotFit(RuntimeError):
     """A configuration whose step needs more device or host memory than there is; the message
-    holds the table of terms and what to change."""
+    says by how much, the largest term, and what to change."""

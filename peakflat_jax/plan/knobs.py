@@ -1,4 +1,13 @@
-"""The knobs: from the config, nulls filled, or all chosen (``--auto``)."""
+"""The knobs: from the config, nulls filled, or all chosen (``--auto``).
+
+A knob left null in a config (``operators.token_budget``, ``operators.vocab_block``,
+``optimizer.resident_groups``) is filled by the rule ``--auto`` uses for it: the fewest chunks,
+then the largest vocab block, that fit (memory falls and time rises with chunks), and with the
+optimizer streamed on a GPU the most groups whose state fits on the device
+(``most_resident``); with the device's memory unknown, the tightest setting the config allows.
+``--auto`` re-chooses all of them with the offloaded boundaries, the optimizer's placement,
+its bucket size and slots: of the settings that fit, the fastest by the step estimate
+(``rates.step_seconds``)."""
 
 from __future__ import annotations
 
@@ -17,11 +26,9 @@ from peakflat_jax.model.attention import (
 from peakflat_jax.ops.sco import HostBudget
 from peakflat_jax.plan.errors import PlanError
 from peakflat_jax.plan.programs import Choice, fits_in_memory
-from peakflat_jax.plan.rates import Rates, step_seconds
-from peakflat_jax.plan.terms import MOST_CHUNKS, SMALLEST_VOCAB_BLOCK, Knobs
-
-# ----------------------------------------------------------------------------------------------
-# The knobs: from the config, nulls filled, or all chosen (--auto).
+from peakflat_jax.plan.rates import step_seconds
+from peakflat_jax.plan.target import Target
+from peakflat_jax.plan.terms import MOST_CHUNKS, SMALLEST_VOCAB_BLOCK, Knobs, overlaps_optimizer
 
 
 def knobs_from_config(config: Config, num_devices: int, *, context: int | None = None,
@@ -31,7 +38,7 @@ def knobs_from_config(config: Config, num_devices: int, *, context: int | None =
     ops, model = config.operators, config.model
     if ops.chosen_by_planner:
         raise PlanError(f"operators: {', '.join(ops.chosen_by_planner)} still auto; "
-                        f"plan.make_plan chooses them (plan.operators)")
+                        f"plan.make_plan chooses them")
     num_devices = _positive("devices", num_devices)
     context = _positive("context", config.data.seq_len if context is None else context)
     batch_size = _positive("batch_size", config.data.batch_size if batch_size is None
@@ -53,8 +60,7 @@ def knobs_from_config(config: Config, num_devices: int, *, context: int | None =
                   max_chunks=ops.max_chunks, loss=ops.loss, loss_mode=ops.loss_mode,
                   vocab_block=ops.vocab_block, offload=(False,) * model.num_layers,
                   optimizer_offload=ops.optimizer_offload,
-                  optimizer_overlap=(ops.optimizer_offload and ops.optimizer_overlap
-                                     and model.num_layers > model.num_dense_layers),
+                  optimizer_overlap=overlaps_optimizer(config),
                   bucket_params=config.optimizer.bucket_params, slots=config.optimizer.slots,
                   attention=attention,
                   # null (chosen by choose_knobs): none until then, the lightest on the device
@@ -100,14 +106,14 @@ def _check_divides(config: Config, data: int, seq: int, context: int, batch_size
                         f"{width} devices (expert parallelism over all of them)")
 
 
-def choose_knobs(config: Config, knobs: Knobs, platform: str, device_memory: int | None,
-                 host_memory: int | None, *, auto: bool,
-                 rates: Rates = Rates()) -> tuple[Knobs, list[Choice]]:
+def choose_knobs(config: Config, knobs: Knobs, target: Target, device_memory: int | None,
+                 host_memory: int | None, *, auto: bool) -> tuple[Knobs, list[Choice]]:
     """The knobs with nulls (every knob, with ``auto``) chosen: the fastest estimated setting
     that fits; with the device's memory unknown, the lightest setting the config allows. An
     explicit ``optimizer.resident_groups`` stays as given, with ``auto`` too (the rest is
     searched around it); left null it is ``most_resident``'s."""
     ops, model = config.operators, config.model
+    rates = target.step_rates
     choices: list[Choice] = []
     n = knobs.tokens_per_device
     pipelined = knobs.moe_dispatch == "pipelined" and model.num_layers > model.num_dense_layers
@@ -168,14 +174,14 @@ def choose_knobs(config: Config, knobs: Knobs, platform: str, device_memory: int
                 candidate = None
                 for base in buckets_for(with_offload(dataclasses.replace(
                         knobs, optimizer_offload=offloaded, optimizer_overlap=overlap), count)):
-                    candidate = _lightest_fitting(config, base, platform, device_memory,
+                    candidate = _lightest_fitting(config, base, target, device_memory,
                                                   host_memory, chunk_options, block_options,
                                                   with_chunks)
                     if candidate is not None:  # the largest bucket that fits
                         break
                 if candidate is None:
                     continue
-                seconds = step_seconds(config, candidate, rates)
+                seconds = step_seconds(config, candidate, target)
                 if seconds < best_time - 1e-12:
                     best, best_time = candidate, seconds
         why = ("the fastest estimated setting that fits" if auto else
@@ -191,7 +197,7 @@ def choose_knobs(config: Config, knobs: Knobs, platform: str, device_memory: int
     if best.optimizer_offload and config.optimizer.resident_groups is None:
         # Filled where a setting fits (_lightest_fitting); none in the lightest setting.
         choices.append(Choice("optimizer.resident_groups", best.resident_groups,
-                              _resident_reason(config, best, device_memory)))
+                              _resident_reason(config, best, target, device_memory)))
     if choose_budget:
         chunks = -(-n // best.token_budget)
         choices.append(Choice("operators.token_budget", best.token_budget,
@@ -238,48 +244,52 @@ def resident_limit(config: Config, device_memory: int | None) -> int | None:
     return min(device_memory, int(config.device.memory_gib * 2**30))
 
 
-def most_resident(config: Config, knobs: Knobs, platform: str,
+def most_resident(config: Config, knobs: Knobs, target: Target,
                   device_memory: int | None) -> Knobs:
     """``knobs`` with ``optimizer.resident_groups`` left null filled: where the optimizer is
     streamed, the most groups whose fp32 master and moments fit on the device beside the step
-    (against ``resident_limit``); else, or with the device's memory unknown, none. More never
-    slowed a step (each group resident moves 24 bytes a parameter less over the link a step;
-    measured on an H200, h200-1 at 64K with all four on: 2.460, 2.147 and 1.706 s at 0, 4 and
-    8 of 8, against the standard stack's 1.602). The device alone decides: each group more
+    (against ``resident_limit``); else, or with the device's memory unknown, none. Each group
+    resident moves 24 bytes a parameter less over the link a step, so more is never slower
+    (docs/offload_adamw.md). The device alone decides: each group more
     holds more of it and less of the host, so the most the device holds is the host's best
     too (with a pinned-host cap set the host fits only from some count up, and a search over
-    both would not be monotone). An explicit count stays as given."""
+    both would not be monotone). On a CPU none: there the host memory kinds are device memory,
+    so keeping state resident saves no link and only skips the stream. An explicit count stays
+    as given."""
     if config.optimizer.resident_groups is not None or not knobs.optimizer_offload:
         return knobs
     limit = resident_limit(config, device_memory)
-    if limit is None:
+    if limit is None or target.platform == "cpu":
         return dataclasses.replace(knobs, resident_groups=0)
     groups = optimizer_groups(config.model)
     options = list(range(groups, -1, -1))  # the most first: the device fits below some count
     first = _first_true(options, lambda k: fits_in_memory(
-        config, dataclasses.replace(knobs, resident_groups=k), platform, limit, None))
+        config, dataclasses.replace(knobs, resident_groups=k), target, limit, None))
     return dataclasses.replace(knobs, resident_groups=0 if first is None else options[first])
 
 
-def fits_with_resident(config: Config, knobs: Knobs, platform: str, device_memory: int | None,
-                       host_memory: int | None) -> bool:
+def fits_with_resident(config: Config, knobs: Knobs, target: Target,
+                       device_memory: int | None, host_memory: int | None) -> bool:
     """Whether ``knobs`` fit with their resident groups, left null, filled as the plan fills
     them (``most_resident``). With none resident the device holds the least; if the host fits
     then too, the device's count fits both (the host holds less with each group more), so the
     count is searched only where the host binds."""
-    if fits_in_memory(config, knobs, platform, device_memory, host_memory):
+    if fits_in_memory(config, knobs, target, device_memory, host_memory):
         return True
     if config.optimizer.resident_groups is not None or not knobs.optimizer_offload:
         return False
-    return fits_in_memory(config, most_resident(config, knobs, platform, device_memory),
-                          platform, device_memory, host_memory)
+    return fits_in_memory(config, most_resident(config, knobs, target, device_memory),
+                          target, device_memory, host_memory)
 
 
-def _resident_reason(config: Config, knobs: Knobs, device_memory: int | None) -> str:
+def _resident_reason(config: Config, knobs: Knobs, target: Target,
+                     device_memory: int | None) -> str:
     groups = optimizer_groups(config.model)
     limit = resident_limit(config, device_memory)
     if limit is None:
         return "none: the device's memory is unknown"
+    if target.platform == "cpu":
+        return "none: on a CPU the host state is device memory, nothing to save on a link"
     return (f"{knobs.resident_groups} of {groups}: the most groups whose fp32 master and "
             f"moments fit beside the step in {limit / 2**30:.1f} GiB of device memory (the "
             f"weights outside the MoE stack, then one MoE layer a group; never more than "
@@ -287,14 +297,14 @@ def _resident_reason(config: Config, knobs: Knobs, device_memory: int | None) ->
             f"step")
 
 
-def _lightest_fitting(config, base: Knobs, platform, device_memory, host_memory, chunk_options,
-                      block_options, with_chunks) -> Knobs | None:
+def _lightest_fitting(config, base: Knobs, target: Target, device_memory, host_memory,
+                      chunk_options, block_options, with_chunks) -> Knobs | None:
     """The setting with the fewest chunks and then the largest vocab block that fits (memory
     falls as chunks rise and blocks shrink), or None; each setting with its own resident groups
     where they are left null (``most_resident``: more chunks leave the device room for more,
     so the fit stays monotone)."""
     def fits(k):
-        return fits_with_resident(config, k, platform, device_memory, host_memory)
+        return fits_with_resident(config, k, target, device_memory, host_memory)
 
     lightest_block = dataclasses.replace(base, vocab_block=block_options[-1])
     chunks = _first_true(chunk_options, lambda c: fits(with_chunks(lightest_block, c)))
@@ -304,7 +314,7 @@ def _lightest_fitting(config, base: Knobs, platform, device_memory, host_memory,
     block = _first_true(block_options, lambda b: fits(dataclasses.replace(with_c,
                                                                           vocab_block=b)))
     return most_resident(config, dataclasses.replace(with_c, vocab_block=block_options[block]),
-                         platform, device_memory)
+                         target, device_memory)
 
 
 def _first_true(options: list, predicate) -> int | None:

@@ -8,11 +8,12 @@ takes those whose step fits the device's and the host's memory at the run's cont
 them the one with the shortest estimated step (``plan.rates.step_seconds``), ties going to the
 fewest operators on. Where the standard stack fits, that is all off: nothing is paid for. Where
 none fits, it is the setting with the smallest peak (ties going to the most operators on), and
-the fit check that follows refuses the run with its table of terms. That is mostly every
-``auto`` operator on; it can be the standard stack, whose step is counted as XLA:GPU was
-measured to schedule it (``plan.programs.step_terms``; h200-1 at 1M
-tokens: 199.8 GiB against 204.1 with all four on), and the reason says which. With the device's
-memory unknown, nothing binds: all off.
+the reason says so. With the device's memory unknown, nothing binds: all off.
+
+The closed form chooses; the compile confirms. The plan lists the settings lighter than the
+chosen one by the closed form, fastest first (``Plan.lighter``): where XLA's plan of the chosen
+setting does not fit the device, the trainer compiles the next
+(``train.trainer.fitting_trainer``).
 
 The host-CPU optimizer (``optimizer.update_on: host_cpu``, ZeRO-Offload's placement) is not one
 of the choices: it is the standard stack's answer to the optimizer's peak, taken only where a
@@ -25,9 +26,11 @@ from __future__ import annotations
 import itertools
 
 from peakflat_jax.config import Config
-from peakflat_jax.plan.programs import Choice, Plan, step_terms
-from peakflat_jax.plan.rates import Rates, step_seconds
-from peakflat_jax.plan.terms import auto_layer_loop
+from peakflat_jax.plan.knobs import choose_knobs, knobs_from_config
+from peakflat_jax.plan.programs import Choice, Plan
+from peakflat_jax.plan.rates import step_seconds
+from peakflat_jax.plan.target import Target
+from peakflat_jax.plan.terms import layer_loop, plan_terms
 
 CHOICES = {"moe_dispatch": ("ep", "pipelined"), "loss": ("materialized", "ring"),
            "offload": ("none", "all"), "optimizer_offload": (False, True)}
@@ -45,14 +48,12 @@ lightest setting for the device is not the lightest for the host."""
 def capable_variants(config: Config) -> list[Config]:
     """The settings of a config's ``auto`` operators among which its largest context is
     searched: the operators that cost only time on (``ON``), each ``HOST_TRADING`` one at each
-    of its settings, and every ``auto`` operator off. With memory to spare, every setting
-    ``choose_operators`` could take at a context that fits is at most as light as one of the
-    first on both memories (h200-e2e: every boundary offloaded, the host binds at 388,072
-    tokens; none offloaded, the device at 427,790). The standard stack's step is counted as
-    XLA:GPU schedules it (``plan.programs.step_terms``) and at long contexts can be lighter
-    than all of them (h200-1 with the optimizer's state resident: its largest, 592,826, past
-    theirs), so it is searched too. The largest context of these is the largest
-    at which ``auto`` finds a setting that fits."""
+    of its settings, and every ``auto`` operator off. Every setting ``choose_operators`` could
+    take at a context that fits is at most as light as one of the first on both memories
+    (offloading trades the device for the host, so neither end is the lightest for both), or
+    is the standard stack, which can be the lightest where the others' extra terms (the
+    overlapped step's second copy of the MoE weights) outweigh what they save. The largest
+    context of these is the largest at which ``auto`` finds a setting that fits."""
     config, _ = resolve_host_cpu(config)
     auto = config.operators.chosen_by_planner
     on = {name: ON[name] for name in auto if name not in HOST_TRADING}
@@ -85,29 +86,29 @@ def with_operators_on(config: Config) -> Config:
 
 
 def choose_operators(config: Config, num_devices: int, *, context: int | None,
-                     device_memory: int | None, host_memory: int | None, platform: str,
-                     rates: Rates = Rates()) -> tuple[Config, list[Choice]]:
-    """The config with its ``auto`` operators chosen (module doc), and one Choice per switch
-    saying why."""
-    from peakflat_jax.plan.knobs import choose_knobs, knobs_from_config
-
+                     device_memory: int | None, host_memory: int | None, target: Target
+                     ) -> tuple[Config, list[Choice], tuple[Config, ...]]:
+    """The config with its ``auto`` operators chosen (module doc), one Choice per switch
+    saying why, and the settings lighter than the chosen one by the closed form, fastest
+    first (what to compile next where the chosen one's compiled program does not fit)."""
     config, resolved = resolve_host_cpu(config)
     auto = config.operators.chosen_by_planner
     if not auto:
-        return config, resolved
+        return config, resolved, ()
     candidates = []
     for values in itertools.product(*(CHOICES[name] for name in auto)):
         chosen = dict(zip(auto, values))
         candidate = config.replace(operators=chosen)
-        knobs = knobs_from_config(candidate, num_devices, context=context, platform=platform)
-        knobs, _ = choose_knobs(candidate, knobs, platform, device_memory, host_memory,
-                                auto=False, rates=rates)
+        knobs = knobs_from_config(candidate, num_devices, context=context,
+                                  platform=target.platform)
+        knobs, _ = choose_knobs(candidate, knobs, target, device_memory, host_memory,
+                                auto=False)
         # Scored with its layer loop as it will be resolved (choose_layer_loop); returned with
         # the loop still auto, for make_plan to name.
-        scored, _ = choose_layer_loop(candidate, knobs, platform)
-        terms = step_terms(scored, knobs, platform=platform)
-        plan = Plan(scored, knobs, platform, terms, device_memory, host_memory,
-                    step_seconds=step_seconds(scored, knobs, rates))
+        scored, _ = choose_layer_loop(candidate, knobs, target.platform)
+        terms = plan_terms(scored, knobs, target)
+        plan = Plan(scored, knobs, target, tuple(terms), device_memory, host_memory,
+                    step_seconds=step_seconds(scored, knobs, target))
         switched_on = sum(value != CHOICES[name][0] for name, value in chosen.items())
         candidates.append((plan, chosen, switched_on, candidate))
     fitting = [c for c in candidates if c[0].feasible is not False]
@@ -117,26 +118,23 @@ def choose_operators(config: Config, num_devices: int, *, context: int | None,
         plan, chosen, _, candidate = min(candidates, key=lambda c: (c[0].total_bytes, -c[2]))
     off = next(c[0] for c in candidates if c[2] == 0)
     on = next(c[0] for c in candidates if c[2] == len(auto))
+    lighter = sorted((c for c in candidates if c[0].total_bytes < plan.total_bytes
+                      and c[0].fits_host is not False),
+                     key=lambda c: (c[0].step_seconds, c[2]))
     return candidate, resolved + [Choice(f"operators.{name}", value,
                                          _why(name, value, plan, off, bool(fitting), on))
-                                  for name, value in chosen.items()]
+                                  for name, value in chosen.items()], tuple(
+        c[3] for c in lighter)
 
 
 def choose_layer_loop(config: Config, knobs, platform: str) -> tuple[Config, list[Choice]]:
-    """``operators.layer_loop: auto`` resolved for a config whose operators are chosen:
-    ``unrolled`` where the offloaded optimizer's update runs inside the next step's forward
-    (XLA overlaps host copies with compute in straight-line code, not across a while loop's
-    iterations; the scanned stack that makes each MoE layer's update in the iteration before it,
-    ``sco.MadeInScan``, is taken there once its GPU step is measured no slower,
-    docs/compile.md); else ``scan`` (one
-    layer compiled whatever the depth); always ``scan`` on CPUs, where the host copies lower to
-    nothing. The two hold the same device memory on a GPU (the unrolled stack's hoisted MoE
-    loop zeros are gone since ``pipelined_moe._zeros_after``: docs/plan.md), so the loop is
-    never chosen for memory. ``knobs``: the plan's."""
+    """``operators.layer_loop: auto`` resolved for a config whose operators are chosen
+    (``terms.layer_loop``: ``unrolled`` where the offloaded optimizer's update runs inside the
+    next step's forward on a GPU, else ``scan``), and the Choice that says why. The loop is
+    chosen for time, never for memory. ``knobs``: the plan's."""
     if config.operators.layer_loop != "auto":
         return config, []
-    # Offloaded, overlapped, with MoE layers to hide under, on a machine with host copies.
-    loop = auto_layer_loop(knobs, platform)
+    loop = layer_loop(config, knobs.optimizer_overlap, platform)
     why = ("chosen: the offloaded optimizer's stream overlaps the forward only in straight-line "
            "code (compile time grows with depth)" if loop == "unrolled"
            else "chosen: no optimizer stream to overlap here; one layer compiled whatever the "

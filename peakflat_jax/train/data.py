@@ -105,6 +105,7 @@ import numpy as np
 
 from peakflat_jax.config import ConfigError, DataConfig, check_data_fields
 from peakflat_jax.model.size import causal_pairs
+from peakflat_jax.plan.target import DataStats
 from peakflat_jax.train import tokenizer as text_tokenizer
 from peakflat_jax.train.jsonl import index_jsonl
 
@@ -259,6 +260,23 @@ def causal_pairs_per_sequence(data: DataConfig, seq_len: int | None = None) -> f
     vocab_size = text_tokenizer.load_tokenizer(data).vocab_size
     batches = make_batches(sample, vocab_size=vocab_size)
     return sum(causal_pairs(next(batches)["segment_ids"]) for _ in range(count)) / count
+
+
+def data_stats(data: DataConfig) -> DataStats:
+    """The statistics the planner needs of this data, per context: the mean causal pairs
+    within documents of a sequence (``causal_pairs_per_sequence``) and the pipeline's host
+    bytes (``pipeline_host_bytes``), both computed here, on first use (text data is read and
+    packed then, once per context)."""
+    def pairs(context: int) -> float:
+        return causal_pairs_per_sequence(data, context)
+
+    def host_bytes(context: int, batch_size: int) -> int:
+        return pipeline_host_bytes(dataclasses.replace(data, seq_len=context,
+                                                       batch_size=batch_size))
+
+    source = ("synthetic: one document a sequence" if data.source == "synthetic" else
+              f"{data.source}, packed as the pipeline packs it")
+    return DataStats(causal_pairs=pairs, pipeline_host_bytes=host_bytes, source=source)
 
 
 def next_token_targets(tokens: np.ndarray, segment_ids: np.ndarray,

@@ -177,7 +177,7 @@ class HostCpuAdamW:
     go host -> device (P * b bytes) to where the gradients came from, which is where the params
     were (the gradient program places them alike). Nothing of the optimizer is on the device;
     the host holds 12 bytes a parameter of state, the gradients in the working dtype and one
-    leaf's fp32 clipped gradient (``peakflat_jax.optim.host_cpu_adamw``'s terms).
+    leaf's fp32 clipped gradient (``peakflat_jax.plan.optimizer_terms``).
 
     Why chunks: XLA:CPU runs each elementwise loop on at most ceil(sqrt(cores)) tasks when it
     moves more bytes than it computes flops (4 of an H200 host's 16 cores; ParallelTaskAssigner,

@@ -15,7 +15,7 @@ import pathlib
 
 import jax
 
-from peakflat_jax.bench import device_profile
+from peakflat_jax.train import device_profile
 
 
 class StepProfiler:

@@ -9,9 +9,12 @@ host_cpu``: the gradients down, the new params up). The router's balancing bias 
 every step from that step's per-expert counts.
 
 Before compiling: the config's keys and values, the mesh against the model and batch, and the
-planner's closed-form bound against the device's memory (``peakflat_jax.plan``). After
-compiling, and before the first step: XLA's own plan of the step against the device's memory.
-Either refusal names the terms and what to change.
+planner's closed form (``peakflat_jax.plan``), which fills the knobs left null, chooses the
+operators left ``auto``, and refuses a step it puts past the device by more than its measured
+margin. After compiling, and before the first step: XLA's own plan of each program against
+the device's memory, the verdict, refused in one line where it does not fit. With ``operators:
+auto`` near the device's edge the programs are compiled first, and a lighter setting taken
+where XLA's plan of the chosen one does not fit (``fitting_trainer``).
 
 Reported per step (JSONL + TensorBoard under ``train.run_dir``, a progress bar on a terminal):
 loss, learning rate, gradient norm, tokens/s, model TFLOP/s per device and MFU (model FLOPs of
@@ -47,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from peakflat_jax import mesh as mop
 from peakflat_jax.config import Config, ConfigError, optimizer_groups, to_dict
+from peakflat_jax.memory import compiled_memory
 from peakflat_jax.model.attention import (
     check_sequence_length,
     choose_implementation,
@@ -56,13 +60,15 @@ from peakflat_jax.model.decoder import IGNORE
 from peakflat_jax.model.layers import Runtime
 from peakflat_jax.model.sharding import abstract_model, init_model
 from peakflat_jax.ops.sco import MadeInLoop, MadeInScan
-from peakflat_jax.plan import DoesNotFit, check_plan, offload_flags
+from peakflat_jax.plan import DoesNotFit, Plan, layer_loop, offload_flags, overlaps_optimizer
 from peakflat_jax.plan.host_pool import LIMIT_VARIABLE
+from peakflat_jax.plan.operators import describe as describe_operators
 from peakflat_jax.train import checkpoint as ckpt
 from peakflat_jax.train import data as data_pipeline
 from peakflat_jax.train import interrupts, oom, run_lock, startup
 from peakflat_jax.train import metrics as report
 from peakflat_jax.train import run_dir as run_dirs
+from peakflat_jax.train.machine import plan_run
 from peakflat_jax.train.optimizer import (
     DeviceAdamW,
     HostCpuAdamW,
@@ -103,15 +109,17 @@ def boundary_offload(config: Config, mesh) -> tuple[bool, ...]:
 def runtime_for(config: Config, mesh) -> Runtime:
     """What the model's forward reads of a config: its MoE dispatch and loss must be chosen
     (not ``auto``: the trainer's config is its plan's, ``Plan.filled_config``); a layer loop
-    left ``auto`` is ``scan`` here, as the planner resolves it (``plan.terms.auto_layer_loop``)."""
+    left ``auto`` is resolved by the planner's rule (``plan.layer_loop``)."""
     ops = config.operators
     unresolved = [name for name in ("moe_dispatch", "loss") if getattr(ops, name) == "auto"]
     if unresolved:
         raise ConfigError(f"operators: {', '.join(unresolved)} still auto; the planner "
                           f"chooses them (peakflat_jax.plan.make_plan)")
-    if ops.layer_loop == "auto":
-        ops = dataclasses.replace(ops, layer_loop="scan")
     platform = np.asarray(mesh.devices).flat[0].platform
+    if ops.layer_loop == "auto":
+        ops = dataclasses.replace(ops, layer_loop=layer_loop(
+            config, overlaps_optimizer(config),
+            "gpu" if platform in ("gpu", "cuda", "rocm") else "cpu"))
     try:
         attention = choose_implementation(ops.attention, platform, config.model.dtype,
                                           xla_only=xla_only_fields(config.model))
@@ -129,8 +137,7 @@ def runtime_for(config: Config, mesh) -> Runtime:
     one_document = config.data.source == "synthetic" and attention == "cudnn"
     return Runtime(mesh=mesh, operators=ops, attention=attention,
                    max_segments=1 if one_document else config.data.max_segments,
-                   token_budget=budget,
-                   weight_gradients_first=any(boundary_offload(config, mesh)))
+                   token_budget=budget)
 
 
 def split_model_state(state):
@@ -142,7 +149,7 @@ class Trainer:
     """One run: ``Trainer(config).run(resume=False) -> summary``."""
 
     def __init__(self, config: Config, *, run_dir: str | None = None,
-                 timeline: startup.Timeline | None = None):
+                 timeline: startup.Timeline | None = None, plan: Plan | None = None):
         if timeline is None:  # made without the command: the process's start to here, as one
             timeline = startup.Timeline()
             timeline.mark("before")
@@ -150,10 +157,10 @@ class Trainer:
         mop.initialize_distributed(config.mesh)
         self.mesh = mop.make_mesh(config.mesh)
         mop.check_model_fits_mesh(config, self.mesh)
-        # The planner's closed-form bound before anything compiles: an infeasible config is
-        # refused with its table of terms; knobs left null (token_budget, vocab_block,
-        # resident_groups) are filled as planned.
-        self.plan = check_plan(config, self.mesh)
+        # The planner's closed form before anything compiles: knobs left null (token_budget,
+        # vocab_block, resident_groups) are filled and auto operators chosen as planned; a step
+        # surely past the device is refused (``plan``: one made for this mesh already).
+        self.plan = plan if plan is not None else plan_run(config, self.mesh)
         self.config = config = self.plan.filled_config()
         self.runtime = runtime_for(config, self.mesh)
         self.xla_plan = None  # XLA's plan of the largest compiled program, once compiled
@@ -327,33 +334,73 @@ class Trainer:
         return (program, json.dumps(config, sort_keys=True),
                 tuple(d.id for d in np.asarray(self.mesh.devices).flat))
 
-    def _compiled(self, program: str, compile_it, what: str):
-        """The program compiled (or reused), its XLA plan checked against the device."""
+    def _compiled(self, program: str, compile_it, what: str, device: bool = True):
+        """The program compiled (or reused), its XLA plan checked against the device (a
+        ``device`` program's)."""
         key = self._program_key(program)
         if key not in _PROGRAMS:
             started = time.perf_counter()
             _PROGRAMS[key] = compile_it()
             self.compile_seconds[what] = time.perf_counter() - started
-        self._check_fits(_PROGRAMS[key], what)
+        if device:
+            self._check_fits(_PROGRAMS[key], what)
         return _PROGRAMS[key]
 
     def _check_fits(self, compiled, what: str) -> None:
-        from peakflat_jax.memory import compiled_memory
-
+        """XLA's plan of a compiled program against the device's memory: the verdict. Refused
+        in one line (``DoesNotFit``) where it is past the device."""
         limit = self.device_memory()
         plan = compiled_memory(compiled)
         if self.xla_plan is None or plan.total > self.xla_plan.total:
             self.xla_plan = plan  # the largest of the step's programs
         if limit is not None and plan.total > limit:
             raise DoesNotFit(
-                f"{what} needs {plan.total / 2**30:.2f} GiB per device by XLA's plan "
-                f"(arguments {plan.argument / 2**30:.2f}, temporaries {plan.temp / 2**30:.2f}, "
-                f"outputs {plan.output / 2**30:.2f}), the device has {limit / 2**30:.2f} GiB: "
-                f"see `peakflat plan` for the terms and what to change")
+                f"{self.config.name} does not fit: XLA's plan of {what} is "
+                f"{plan.total / 2**30:.2f} GiB per device (arguments "
+                f"{plan.argument / 2**30:.2f}, temporaries {plan.temp / 2**30:.2f}, outputs "
+                f"{plan.output / 2**30:.2f}), the device has {limit / 2**30:.2f} GiB (the closed "
+                f"form {self.plan.total_bytes / 2**30:.2f}); `peakflat plan {self.config.name} "
+                f"--largest` finds the context that fits")
 
     def device_memory(self) -> int | None:
-        configured = self.config.train.device_memory_gib
-        return int(configured * 2**30) if configured else report.device_memory_bytes()
+        """The memory XLA's plan is held to: the plan's (``train.device_memory_gib``, else the
+        device's allocator limit, else a CPU device's share of the host)."""
+        return self.plan.device_memory
+
+    def abstract_batch(self) -> dict:
+        """The global batch's shapes, dtypes and shardings: what the step compiles for."""
+        data = self.config.data
+        shape = jax.ShapeDtypeStruct((data.batch_size, data.seq_len), jnp.int32,
+                                     sharding=mop.token_sharding(self.mesh))
+        return {key: shape for key in ("tokens", "targets", "segment_ids", "positions")}
+
+    def compile_abstract(self) -> None:
+        """Compiles the step's programs for the state's and the batch's shapes (nothing is
+        made, read or run) and checks XLA's plan of each against the device's memory: the
+        verdict before anything is allocated. The programs are reused by the run's compile."""
+        self.compile(self.initial_state(abstract=True), self.abstract_batch())
+
+    def compiled_programs(self) -> dict:
+        """The compiled programs of a step (for the abstract state: nothing is made), by name:
+        the step's own (``train_step``, ``gradient_step`` or ``overlapped_step``), and the
+        optimizer's (``optimizer_step``, ``host_cpu_update``) where it is a program of its
+        own. Raises DoesNotFit where XLA's plan of the step's own is past the device."""
+        state = self.initial_state(abstract=True)
+        self.compile(state, self.abstract_batch())
+        compiled = {name: getattr(self, "_" + name) for name in
+                    ("train_step", "gradient_step", "overlapped_step")
+                    if hasattr(self, "_" + name)}
+        if self.offloaded_optimizer:
+            compiled["optimizer_step"] = self._compiled(
+                "optimizer_step", lambda: self.optimizer.lower(state.params,
+                                                               state.opt_state).compile(),
+                "the optimizer's step")
+        if self.host_cpu_optimizer:  # a program of the host's memory, not the device's
+            compiled["host_cpu_update"] = self._compiled(
+                "host_cpu_update", lambda: self.optimizer.lower(state.params,
+                                                                state.opt_state).compile(),
+                "the host CPU update", device=False)
+        return compiled
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """One optimizer step; the state passed in is consumed. Overlapped, the step's update
@@ -611,8 +658,14 @@ class Trainer:
         already is left as it is. SIGINT or SIGTERM stops the run after the step in flight,
         saves a checkpoint (where ``train.checkpoints``) and raises ``Interrupted``. Out of
         device memory (``oom``), it writes a summary.json that says so and raises
-        ``OutOfMemory``."""
+        ``OutOfMemory``. Where XLA's plan of the step may be past the device (``near_the_edge``)
+        the programs are compiled first, and a step that does not fit is refused
+        (``DoesNotFit``, one line) before anything else."""
         self.steps_done = None  # the steps completed, once the state is made
+        if near_the_edge(self.plan):
+            # XLA's plan may be past the device where the closed form is not: the verdict
+            # before the run directory is touched or anything is made.
+            self.compile_abstract()
         # One run per directory (``run_lock``): held until the run ends, however it ends.
         lock = run_lock.hold(self.run_dir, process_index=jax.process_index(), create=not resume)
         try:
@@ -805,7 +858,6 @@ class Trainer:
         """The run's first lines: the model, the devices, the operators, the step it starts
         at and the run directory."""
         from peakflat_jax.model.size import parameter_counts
-        from peakflat_jax.plan.operators import describe as describe_operators
 
         counts = parameter_counts(self.config.model, mop.padded_vocab(
             self.config.model.vocab_size, mop.num_devices(self.mesh)))
@@ -939,6 +991,42 @@ def train(config: Config, *, resume: bool = False, overwrite: bool = False,
     ``timeline``: the start-up's phases so far (``startup``; None: the trainer opens one)."""
     if os.environ.get("PEAKFLAT_DEBUG_NANS"):
         jax.config.update("jax_debug_nans", True)
-    return Trainer(config, run_dir=run_dir, timeline=timeline).run(
+    return fitting_trainer(config, run_dir=run_dir, timeline=timeline).run(
         resume=resume, overwrite=overwrite, progress=progress)
+
+
+def near_the_edge(plan: Plan) -> bool:
+    """Whether XLA's plan may be past the device where the closed form is under it: the
+    closed form times the highest ratio of XLA's plan to it measured (``Measured.margin``) is
+    past the device's memory."""
+    _, high = plan.target.measured.margin.get("device", (1.0, 1.0))
+    return plan.device_memory is not None and high * plan.total_bytes > plan.device_memory
+
+
+def fitting_trainer(config: Config, *, run_dir: str | None = None,
+                    timeline: startup.Timeline | None = None) -> Trainer:
+    """The trainer of ``config`` whose compiled programs fit the device. With ``operators:
+    auto`` near the device's edge (``near_the_edge``) the chosen setting's programs are
+    compiled here, before anything is made, and where XLA's plan of them does not fit the
+    next lighter setting by the closed form (``Plan.lighter``, fastest first) is tried, until
+    one fits; refused in one line, naming every setting tried, where none does. Elsewhere the
+    compile is the run's own, before its first step."""
+    trainer = Trainer(config, run_dir=run_dir, timeline=timeline)
+    if not trainer.plan.lighter or not near_the_edge(trainer.plan):
+        return trainer
+    tried = []
+    for candidate in (None, *trainer.plan.lighter):
+        if candidate is not None:
+            trainer = Trainer(candidate, run_dir=run_dir, timeline=trainer.timeline)
+        try:
+            trainer.compile_abstract()
+            return trainer
+        except DoesNotFit:
+            ops = trainer.config.operators
+            tried.append(f"{ops.moe_dispatch}/{ops.loss}/offload {sum(trainer.offload)}/"
+                         f"optimizer {trainer.optimizer_placement()} "
+                         f"{trainer.xla_plan.total / 2**30:.2f} GiB")
+    raise DoesNotFit(f"{config.name} does not fit: XLA's plan of no auto setting fits the "
+                     f"device's {trainer.device_memory() / 2**30:.2f} GiB ({'; '.join(tried)}); "
+                     f"`peakflat plan {config.name} --largest` finds the context that fits")
 

@@ -10,9 +10,9 @@ device arrays to pinned_host, ``both`` does the two at once (independent arrays:
 them). Prints one JSON line per case (median of ``--repeats`` after a warm-up, GB/s of the bytes
 moved, both directions counted) and a summary line with the ratio of ``both`` to the slower of
 the two alone: 1 is a link whose directions share one rate (or copies XLA ran one after
-another), 2 one that is full duplex. XLA_FLAGS are the trainer's (``cli.prepare_environment``:
-8 host copies in flight; the 16:47 run of 2026-12-02 had XLA's 2, which can serialize the two
-directions by itself); the record says which."""
+another), 2 one that is full duplex. XLA_FLAGS are the command's (``cli.prepare_environment``;
+XLA's 2 host copies in flight unless XLA_FLAGS sets more, which can serialize the two directions
+by itself); the record says which."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import time
 
 from peakflat_jax.cli import prepare_environment
 
-prepare_environment()  # the trainer's XLA flags, the host copies in flight among them
+prepare_environment()  # the command's XLA flags (a config's own: device.xla_flags)
 
 import jax  # noqa: E402 (after the flags: XLA reads them once, as its backends start)
 import jax.numpy as jnp  # noqa: E402

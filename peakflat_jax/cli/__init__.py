@@ -4,7 +4,7 @@
                       [--no-progress]
     peakflat plan CONFIG [section.field=value ...] [--context N] [--devices W]
                       [--device-memory GiB] [--host-memory GiB] [--platform gpu|cpu] [--auto]
-                      [--json]
+                      [--check | --largest] [--formulas | --json]
     peakflat bench OPERATOR [--preset cpu|gpu|gpu-x8] [--only TEXT]... [--repeats N]
                       [--trace-steps N] [--out-dir DIR] [--json]
     peakflat export-hf RUN_DIR OUT_DIR     # a run's latest weights as a Hugging Face checkpoint
@@ -31,11 +31,22 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import shlex
 import sys
 
-from peakflat_jax import _xla_cpu
+from peakflat_jax.cli import plan as plan_command_line
+from peakflat_jax.cli.args import ArgumentParser, UsageError, parse_arguments
+from peakflat_jax.cli.environment import (
+    CPU_SCHEDULER_FLAG,
+    add_config_flags,
+    enable_compilation_cache,
+    has_nvidia_gpus,
+    prepare_environment,
+)
+
+__all__ = ["CPU_SCHEDULER_FLAG", "ArgumentParser", "UsageError", "add_config_flags",
+           "enable_compilation_cache", "has_nvidia_gpus", "main", "make_parser",
+           "parse_arguments", "plan_command", "prepare_environment", "resume_command"]
 
 BENCHMARKS = {"ring_dtp": "peakflat_jax.bench.ring_dtp",
               "moe_dispatch": "peakflat_jax.bench.moe_dispatch",
@@ -47,157 +58,11 @@ BENCHMARKS = {"ring_dtp": "peakflat_jax.bench.ring_dtp",
 TRACEABLE = ("moe_dispatch", "ring_dtp", "sco")
 
 
-class UsageError(Exception):
-    """Bad command-line input; its message is the one line to print (``peakflat CMD: ...``)."""
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with its errors as ``UsageError`` (one line, exit status 2, from ``main``)
-    instead of a usage block and ``SystemExit``."""
-
-    def error(self, message: str):
-        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
-
-
-def parse_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """``parser``'s namespace of ``argv`` with overrides and flags in any order: argparse's
-    ``nargs="*"`` positionals stop at the first flag, so the ``section.field=value`` words after
-    one come back unrecognized and are appended to ``overrides`` here (where the command takes
-    them); any other leftover is an error, and so is a flag or an override given twice
-    (``duplicate``: argparse and the config would keep the last one without a word)."""
-    args, leftovers = parser.parse_known_args(argv)
-    overrides = [word for word in leftovers if "=" in word and not word.startswith("-")]
-    unknown = [word for word in leftovers if word not in overrides]
-    if overrides and not hasattr(args, "overrides"):
-        unknown = leftovers
-    if unknown:
-        command = " ".join([parser.prog, *[w for w in (getattr(args, "command", None),
-                                                       getattr(args, "action", None)) if w]])
-        raise UsageError(f"{command}: unrecognized arguments: {' '.join(unknown)} (expected "
-                         f"flags of `{command} --help` or section.field=value overrides)")
-    if overrides:
-        args.overrides = [*args.overrides, *overrides]
-    if twice := duplicate(parser, args, argv):
-        command = " ".join([parser.prog, *[w for w in (getattr(args, "command", None),
-                                                       getattr(args, "action", None)) if w]])
-        raise UsageError(f"{command}: {twice}: expected each flag and each override at most "
-                         f"once (the last would win silently)")
-    return args
-
-
-def _command_parser(parser: argparse.ArgumentParser,
-                    args: argparse.Namespace) -> argparse.ArgumentParser:
-    """The (sub)parser that took the command's flags: ``peakflat train``'s, ``peakflat xcheck
-    run``'s."""
-    for name in ("command", "action"):
-        choice = getattr(args, name, None)
-        subparsers = getattr(parser, "_subparsers", None)
-        if choice is None or subparsers is None:
-            break
-        for action in subparsers._group_actions:
-            if isinstance(action, argparse._SubParsersAction) and choice in action.choices:
-                parser = action.choices[choice]
-    return parser
-
-
-def duplicate(parser: argparse.ArgumentParser, args: argparse.Namespace,
-              argv: list[str]) -> str | None:
-    """The words of the first flag (by its action: ``--run-dir`` and ``--run-dir=``) or
-    override key given twice in ``argv``, or None; a repeatable flag (``--only``) is no
-    duplicate."""
-    options = _command_parser(parser, args)._option_string_actions
-    seen: dict[object, str] = {}
-    for index, word in enumerate(argv):
-        if word == "--":
-            break
-        if not word.startswith("--"):
-            continue
-        name = word.split("=", 1)[0]
-        matches = [action for option, action in options.items() if option == name] or [
-            action for option, action in options.items() if option.startswith(name)]
-        if len({id(a) for a in matches}) != 1 or isinstance(
-                matches[0], argparse._AppendAction | argparse._HelpAction):
-            continue
-        if "=" not in word and matches[0].nargs != 0 and index + 1 < len(argv):
-            word = f"{word} {argv[index + 1]}"  # the flag with its value
-        if matches[0] in seen:
-            return f"{matches[0].option_strings[-1]} given twice ({seen[matches[0]]} and {word})"
-        seen[matches[0]] = word
-    keys: dict[str, str] = {}
-    for override in getattr(args, "overrides", None) or []:
-        key = override.split("=", 1)[0].strip()
-        if key in keys:
-            return f"{key} given twice ({keys[key]} and {override})"
-        keys[key] = override
-    return None
-
-
 def resume_command(argv: list[str]) -> str:
     """The command that resumes the run ``peakflat train`` was given ``argv`` (without the
     program's name) for: the same words, ``--overwrite`` dropped, ``--resume`` added."""
     words = [word for word in argv if word not in ("--overwrite", "--resume")]
     return shlex.join(["peakflat", *words, "--resume"])
-
-
-CPU_SCHEDULER_FLAG = _xla_cpu.CPU_SCHEDULER_FLAG
-"""XLA:CPU's concurrency-optimized scheduler off: under it (jax 0.11.2's default) XLA:CPU paired
-two different all-to-alls of the trainer's gradient program with PipelinedLLEP, the ring loss
-and SCO (a conditional's exchange and an independent one, both keyed by channel 1), and some
-executions gave wrong gradients, the loss right (docs/cpu_scheduler.md). XLA reads it once per
-process, before its backends start: ``import peakflat_jax`` sets it (``peakflat_jax._xla_cpu``),
-and so does every command here, ``PEAKFLAT_KEEP_CPU_SCHEDULER`` notwithstanding; only on a machine
-without NVIDIA GPUs (``has_nvidia_gpus``). There the CPU backend runs no model program, only the
-host-CPU AdamW's update (``optimizer.update_on: host_cpu``), which the flag serializes: its
-schedule then chains a leaf's chunks one after another, 2 loops side by side where 16 may run
-(``tests/test_train_optimizer.py::test_a_leafs_chunks_run_side_by_side``)."""
-has_nvidia_gpus = _xla_cpu.has_nvidia_gpus
-
-GPU_HOST_COPIES_FLAG = "--xla_gpu_experimental_parallel_async_compute_limit=8"
-"""How many host copies XLA:GPU's latency-hiding scheduler keeps in flight beside compute: 8,
-where jax 0.11.2's XLA keeps 2 (every copy-start takes its async-compute resource, default 2).
-With 2, h200-1's streamed optimizer ran 201 ms of its 1314 ms of copies a step under compute;
-with 8, 437 ms, and the step (all four on, written back under the backward) took 2.467 s
-instead of 2.767; with 32, 2.481 s (scripts/results/h200_session_gpu_20261202-164706.json,
-docs/offload_adamw.md). The peaks rose (59.66 -> 72.69 GiB there: XLA starts the write-back
-earlier) and stayed under the plan, as did XLA's plan of all four on at 517,600 tokens. Set for
-every command (train, bench, ``plan --check``); not yet measured: the forward write-back at 64K
-and h200-e2e under it. A GPU flag: ignored by CPU backends; an XLA_FLAGS that sets it wins."""
-
-
-def prepare_environment() -> None:
-    """Before jax's backends start: 8 simulated devices where the backend is the CPU (ignored by GPU
-    backends), XLA:CPU's concurrency-optimized scheduler off where the machine has no GPU
-    (``CPU_SCHEDULER_FLAG``), 8 host copies in flight on a GPU
-    (``GPU_HOST_COPIES_FLAG``), and room for the largest baselines on a GPU (JAX reserves 75%
-    by default)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        flags = f"{flags} --xla_force_host_platform_device_count=8".strip()
-    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags and not has_nvidia_gpus():
-        flags = f"{flags} {CPU_SCHEDULER_FLAG}"
-    if "xla_gpu_experimental_parallel_async_compute_limit" not in flags:
-        flags = f"{flags} {GPU_HOST_COPIES_FLAG}"
-    os.environ["XLA_FLAGS"] = flags
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-
-def enable_compilation_cache() -> None:
-    """JAX's persistent compilation cache on GPUs (PEAKFLAT_JAX_CACHE, default
-    ~/.cache/peakflat_jax/xla; empty: off): a second run of a config skips XLA's compile. Not
-    on CPUs unless PEAKFLAT_JAX_CACHE is set: multi-device CPU executables read back from it
-    crashed in their collectives (jax 0.11.2). Every program is kept, however fast it compiled:
-    with jax's usual 1 s floor, the start's small programs (the learning-rate schedule's eager
-    ops, the initialisation's helpers, the batch's target count) were compiled again by every
-    run, most of what a warm start still compiled (``peakflat_jax.train.startup`` counts it)."""
-    import jax
-
-    directory = os.environ.get("PEAKFLAT_JAX_CACHE")
-    if directory is None and jax.default_backend() != "cpu":
-        directory = os.path.expanduser("~/.cache/peakflat_jax/xla")
-    if directory:
-        jax.config.update("jax_compilation_cache_dir", directory)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -245,7 +110,8 @@ def plan_command(config: str, overrides: list[str]) -> str:
 
 def _train(args: argparse.Namespace) -> int:
     """Exit status 0 when the run finished (or was finished already), 2 for bad input (the
-    config, the mesh, the run directory, a step the planner finds too large), 1 when it ran out
+    config, the mesh, the run directory, a step whose compiled programs do not fit the device:
+    one line naming XLA's plan and the device's memory), 1 when it ran out
     of device memory (one line: where, the plans and what to do), 128 + the signal's number
     when it was interrupted."""
     from peakflat_jax.config import ConfigError, load_config
@@ -300,16 +166,16 @@ def _train_holding(args: argparse.Namespace, config) -> int:
     from peakflat_jax import mesh
     from peakflat_jax.plan import DoesNotFit, PlanError
     from peakflat_jax.train.interrupts import Interrupted
+    from peakflat_jax.train.machine import set_pool_cap
     from peakflat_jax.train.oom import OutOfMemory
     from peakflat_jax.train.startup import Timeline
     from peakflat_jax.train.trainer import train
 
     timeline = Timeline()  # where the start-up goes, from the process's start
     timeline.mark("imports")
-    from peakflat_jax.plan.host_pool import cap_from_plan
-
+    add_config_flags(config)
     try:
-        cap_from_plan(config)  # XLA reads the pinned-host pool's cap when its backend starts
+        set_pool_cap(config)  # XLA reads the pinned-host pool's cap when its backend starts
         mesh.initialize_distributed(config.mesh)  # before anything starts a backend
         enable_compilation_cache()
         devices = jax.devices()  # the backend started here (not inside the trainer's set-up)
@@ -423,11 +289,10 @@ def make_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-dir", help="where metrics and checkpoints go (default: "
                                          "train.run_dir of the config)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    from peakflat_jax.plan import cli as plan_cli
-
     plan = commands.add_parser("plan", help="the per-device memory of a config, term by term, "
-                                            "before launch (and --auto: the knobs chosen)")
-    plan_cli.add_arguments(plan)
+                                            "before launch (--auto: the knobs chosen; --check, "
+                                            "--largest: by compiling here)")
+    plan_command_line.add_arguments(plan)
     bench = commands.add_parser("bench", help="benchmark an operator against its baseline")
     bench.add_argument("operator", choices=sorted(BENCHMARKS))
     bench.add_argument("--preset", default="cpu",
@@ -471,15 +336,13 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def _main(argv: list[str]) -> int:
-    from peakflat_jax.plan import cli as plan_cli
-
     args = parse_arguments(make_parser(), argv)
     args.argv = argv
     prepare_environment()
     if args.command == "train":
         return _train(args)
     if args.command == "plan":
-        return plan_cli.run(args)
+        return plan_command_line.run(args)
     if args.command == "xcheck":
         return _xcheck(args)
     if args.command == "export-hf":
