@@ -55,7 +55,7 @@ for stage in $STAGES; do case $stage in
     bench peer32k --stacks maxtext:offload+optimizer peakflat --at 32768 --steps 5
     # cuDNN's attention alone at long context: what bounds either stack's MFU there.
     run attention 120 python3 scripts/maxtext/check_kernels.py --attention-only \
-      --attention-context 131072 262144 --json "$LOGS/attention.json"
+      --attention-context 131072 --json "$LOGS/attention.json"
     start=$(python3 - "$LOGS/end_to_end.json" <<'EOF'
 import json, sys
 probes = json.load(open(sys.argv[1]))["probes"]
