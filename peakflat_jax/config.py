@@ -20,7 +20,7 @@ import pathlib
 import re
 import types
 import typing
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 
@@ -474,10 +474,13 @@ class Config:
 # Reading and checking.
 
 
-def load_config(path_or_name: str | pathlib.Path, overrides: list[str] = ()) -> Config:
+def load_config(path_or_name: str | pathlib.Path, overrides: list[str] = (), *,
+                resolve_pretrained=None) -> Config:
     """The config in a YAML file (a path, or the name of a preset in ``configs/``), with
-    ``section.field=value`` overrides applied, the architecture of ``model.from_pretrained``
-    read in where set, checked (``check_config``)."""
+    ``section.field=value`` overrides applied, checked (``check_config``). A config with
+    ``model.from_pretrained`` takes its architecture from the checkpoint's config.json through
+    ``resolve_pretrained(config, explicit=...)``, which ``peakflat_jax.hf.load_config`` passes
+    (this module reads no checkpoint); without it such a config is refused."""
     path = pathlib.Path(path_or_name)
     presets = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
     if not path.is_file() and not path.suffix:
@@ -519,8 +522,9 @@ def load_config(path_or_name: str | pathlib.Path, overrides: list[str] = ()) -> 
         target[field] = yaml.safe_load(value) if value else None
     config = from_dict(raw)
     if config.model.from_pretrained is not None:
-        from peakflat_jax.hf.config import resolve_pretrained  # reads the checkpoint's JSON
-
+        if resolve_pretrained is None:
+            raise ConfigError("model.from_pretrained: the checkpoint's architecture is read by "
+                              "peakflat_jax.hf.load_config (as the peakflat command does)")
         config = resolve_pretrained(config, explicit=set(raw.get("model") or {}))
     return check_config(config)
 
@@ -763,23 +767,3 @@ def check_data_fields(data: DataConfig):
             if value is None:
                 raise ConfigError(f"{key}: chat examples need both data.prompt_field and "
                                   f"data.response_field")
-
-
-def offload_count(config: Config) -> Any:
-    """``operators.offload`` in ``pf.sco_scan``'s terms: an int, a tuple of bools, or a
-    HostBudget (bytes)."""
-    from peakflat_jax.ops.sco import HostBudget
-
-    offload = config.operators.offload
-    if offload == "auto":
-        raise ConfigError("operators.offload: auto is chosen by the planner (plan.operators); "
-                          "resolve the config first")
-    if offload == "none":
-        return 0
-    if offload == "all":
-        return config.model.num_layers
-    if isinstance(offload, float):
-        return HostBudget(int(offload * 2**30))
-    if isinstance(offload, list):
-        return tuple(offload)
-    return offload

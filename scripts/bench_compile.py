@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from peakflat_jax import mesh as mop
-from peakflat_jax.config import load_config
+from peakflat_jax.hf.config import load_config
 from peakflat_jax.memory import compiled_memory
 from peakflat_jax.model.decoder import MoEDecoder
 from peakflat_jax.model.sharding import state_shardings

@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from peakflat_jax import memory  # noqa: E402
 from peakflat_jax.bench import maxtext  # noqa: E402
-from peakflat_jax.config import load_config  # noqa: E402
+from peakflat_jax.hf.config import load_config  # noqa: E402
 from peakflat_jax.model.size import model_flops_per_token  # noqa: E402
 
 RESULTS = ROOT / "scripts" / "results"

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from peakflat_jax import mesh as mop
-from peakflat_jax.config import load_config
+from peakflat_jax.hf.config import load_config
 from peakflat_jax.memory import compiled_memory
 from peakflat_jax.train.trainer import Trainer
 

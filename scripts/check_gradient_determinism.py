@@ -201,7 +201,8 @@ def check(config_name: str, overrides: list[str], executions: int,
     import jax
     import jaxlib.version
 
-    from peakflat_jax.config import load_config, to_dict
+    from peakflat_jax.config import to_dict
+    from peakflat_jax.hf.config import load_config
     from peakflat_jax.train.trainer import Trainer
 
     started = time.time()

@@ -87,7 +87,7 @@ def checked_programs(log: list[str]) -> dict[str, float]:
 
 def closed_form(config_name: str, overrides: list[str], banner: str | None, cap: int | None):
     """Today's plan of a run's config as it ran."""
-    from peakflat_jax.config import load_config
+    from peakflat_jax.hf.config import load_config
     from peakflat_jax.plan import make_plan
     from peakflat_jax.train.data import data_stats
 

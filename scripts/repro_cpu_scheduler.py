@@ -93,7 +93,7 @@ def child(out: str, executions: int, arrangement: str) -> None:
     import jax
     import numpy as np
 
-    from peakflat_jax.config import load_config
+    from peakflat_jax.hf.config import load_config
     from peakflat_jax.train.trainer import Trainer
 
     if arrangement == "earlier":

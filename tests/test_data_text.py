@@ -25,7 +25,8 @@ from test_data import (
     take,
 )
 
-from peakflat_jax.config import ConfigError, DataConfig, load_config
+from peakflat_jax.config import ConfigError, DataConfig
+from peakflat_jax.hf.config import load_config
 from peakflat_jax.train import data as pf_data
 from peakflat_jax.train import tokenizer as pf_tokenizer
 from peakflat_jax.train.data import IGNORE

@@ -21,11 +21,11 @@ import pytest
 from flax import nnx
 
 from peakflat_jax import mesh as mop
-from peakflat_jax.config import ConfigError, load_config
+from peakflat_jax.config import ConfigError
+from peakflat_jax.hf.config import load_config
 from peakflat_jax.hf.export import export_pretrained
-from peakflat_jax.hf.load import CheckpointError
+from peakflat_jax.hf.load import CheckpointError, init_or_load
 from peakflat_jax.model.decoder import IGNORE
-from peakflat_jax.model.sharding import init_model
 from peakflat_jax.train.trainer import boundary_offload, runtime_for
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -120,7 +120,7 @@ def batch_of(tokens: np.ndarray, labels: np.ndarray | None = None) -> dict:
 def forward(config, tokens):
     """(logits [B, T, V], mean loss) of our model of ``config`` on ``tokens``."""
     mesh = mop.make_mesh(config.mesh)
-    graphdef, state = init_model(config.model, mesh, seed=0)
+    graphdef, state = init_or_load(config.model, mesh, seed=0)
     run = runtime_for(config, mesh)
     offload = boundary_offload(config, mesh)
     batch = batch_of(tokens)
@@ -259,7 +259,7 @@ def test_export_loads_in_transformers_as_the_same_family(references, torch_pytho
         directory, _ = references[name]
         config = config_for(directory, tmp_path)
         mesh = mop.make_mesh(config.mesh)
-        _, state = init_model(config.model, mesh, seed=0)
+        _, state = init_or_load(config.model, mesh, seed=0)
         # One in shards of at most 128 KiB (an index and several files), as large ones are.
         shard = 2**17 if name == "qwen3_moe" else 5 * 2**30
         out = export_pretrained(config.model, state, tmp_path / f"export_{name}",
@@ -311,7 +311,7 @@ def edited_copy(references, tmp_path, name, *, config_edit=None, tensors_edit=No
 
 def load_in(directory, tmp_path):
     config = config_for(directory, tmp_path)
-    return init_model(config.model, mop.make_mesh(config.mesh), seed=0)
+    return init_or_load(config.model, mop.make_mesh(config.mesh), seed=0)
 
 
 def test_missing_tensor_is_refused_by_name(references, tmp_path):
@@ -521,7 +521,7 @@ def test_bfloat16_checkpoint_in_and_out(references, tmp_path):
     for key, value in leaves_of(from_bf16).items():
         np.testing.assert_array_equal(value, rounded[key], err_msg=key)
     config = config_for(bf16_dir, tmp_path, ["model.dtype=bfloat16"])
-    _, state = init_model(config.model, mop.make_mesh(config.mesh), seed=0)
+    _, state = init_or_load(config.model, mop.make_mesh(config.mesh), seed=0)
     out = export_pretrained(config.model, state, tmp_path / "bf16_out")
     with open(out / "model.safetensors", "rb") as file:
         header = json.loads(file.read(int.from_bytes(file.read(8), "little")))

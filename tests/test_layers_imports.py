@@ -15,14 +15,7 @@ LAYERS = {"ops": 0, "optim": 0, "model": 1, "plan": 2, "train": 3, "hf": 3, "xch
 """Each sub-package's layer: a module may import its own layer's and those below. hf sits with
 train (the trainer loads checkpoints through it; it makes models), xcheck and bench above it
 (they build trainers), the command on top."""
-BASE_EXCEPTIONS = {("config", "hf"), ("config", "ops")}
-"""Base modules' imports of a layer that are a colleague's to move (config resolves a
-pretrained config through hf and a host budget through ops.sco)."""
-KNOWN_UPWARD = {("peakflat_jax.model.sharding", "peakflat_jax.hf.load")}
-"""An upward arrow of that circle."""
-KNOWN_CIRCLES = {frozenset({"peakflat_jax.config", "peakflat_jax.hf.config"}),
-                 frozenset({"peakflat_jax.model.sharding", "peakflat_jax.hf.load"})}
-"""Circles outside the planner's and the trainer's modules, a colleague's to break."""
+
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -78,9 +71,8 @@ def test_no_arrow_runs_up_the_layers():
             if target_top == top or target_level is None:
                 continue
             if level is None:
-                if (top, target_top) not in BASE_EXCEPTIONS:
-                    upward.append(f"{module} -> {target} (a base module importing a layer)")
-            elif target_level > level and (module, target) not in KNOWN_UPWARD:
+                upward.append(f"{module} -> {target} (a base module importing a layer)")
+            elif target_level > level:
                 upward.append(f"{module} -> {target}")
     assert not upward, "\n".join(sorted(upward))
 
@@ -101,8 +93,21 @@ def test_no_import_circle():
     for start in sorted(edges):
         if start not in done:
             visit(start, [start], {start})
-    unknown = [sorted(c) for c in circles if c not in KNOWN_CIRCLES]
-    assert not unknown, unknown
+    assert not circles, [sorted(c) for c in circles]
+
+
+def test_no_circle_between_sub_packages():
+    """Between sub-packages too (the base modules, config, mesh and the helpers, count as one):
+    an arrow from a sub-package to another never comes back."""
+    arrows: dict[str, set[str]] = {}
+    for module, targets in graph().items():
+        top = layer_of(module)[0]
+        arrows.setdefault(top, set()).update(
+            t for t in (layer_of(target)[0] for target in targets) if t != top)
+    both = sorted((a, b) for a in arrows for b in arrows[a]
+                  if a < b and a in arrows.get(b, ()) and LAYERS.get(a) is not None
+                  and LAYERS.get(b) is not None)
+    assert not both, both
 
 
 def test_the_planner_reads_no_environment_and_no_device():

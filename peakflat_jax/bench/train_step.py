@@ -51,7 +51,7 @@ def presets() -> dict[str, list[dict]]:
 
 
 def run_case(case: dict) -> dict:
-    from peakflat_jax.config import load_config
+    from peakflat_jax.hf.config import load_config
     from peakflat_jax.model.size import model_flops
     from peakflat_jax.train.machine import enable_compilation_cache, set_pool_cap
     from peakflat_jax.train.metrics import device_memory_bytes, host_peak_resident_bytes

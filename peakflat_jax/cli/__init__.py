@@ -114,7 +114,8 @@ def _train(args: argparse.Namespace) -> int:
     one line naming XLA's plan and the device's memory), 1 when it ran out
     of device memory (one line: where, the plans and what to do), 128 + the signal's number
     when it was interrupted."""
-    from peakflat_jax.config import ConfigError, load_config
+    from peakflat_jax.config import ConfigError
+    from peakflat_jax.hf.config import load_config
 
     if args.resume and args.overwrite:
         raise UsageError("peakflat train: --resume and --overwrite: expected at most one "
@@ -212,7 +213,8 @@ def _train_holding(args: argparse.Namespace, config) -> int:
 
 
 def _xcheck(args: argparse.Namespace) -> int:
-    from peakflat_jax.config import ConfigError, load_config
+    from peakflat_jax.config import ConfigError
+    from peakflat_jax.hf.config import load_config
     from peakflat_jax.plan import PlanError
 
     try:
@@ -244,7 +246,7 @@ def _xcheck(args: argparse.Namespace) -> int:
 
 def _export_hf(args: argparse.Namespace) -> int:
     from peakflat_jax.config import ConfigError
-    from peakflat_jax.hf.export import export_run
+    from peakflat_jax.train.export_run import export_run
 
     try:
         directory = export_run(args.run_dir, args.out_dir)

@@ -22,7 +22,8 @@ import json
 import sys
 
 from peakflat_jax.cli.args import ArgumentParser, UsageError, parse_arguments
-from peakflat_jax.config import ConfigError, load_config
+from peakflat_jax.config import ConfigError
+from peakflat_jax.hf.config import load_config
 
 # peakflat_jax.plan, peakflat_jax.train (and jax) are imported where they are used: `peakflat`
 # adds these arguments before it sets up jax's environment (XLA_FLAGS).

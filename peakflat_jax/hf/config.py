@@ -31,6 +31,7 @@ import json
 import pathlib
 from typing import Any
 
+from peakflat_jax import config as config_module
 from peakflat_jax.config import Config, ConfigError, ModelConfig
 
 FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
@@ -327,3 +328,10 @@ def hf_config_from_model(config: ModelConfig, base: dict | None = None) -> dict[
                   mlp_only_layers=list(range(config.num_dense_layers)), decoder_sparse_step=1,
                   use_sliding_window=False)
     return hf
+
+
+def load_config(path_or_name, overrides=()) -> Config:
+    """``peakflat_jax.config.load_config`` with ``model.from_pretrained`` read in
+    (``resolve_pretrained``): the loader of every command."""
+    return config_module.load_config(path_or_name, overrides,
+                                     resolve_pretrained=resolve_pretrained)

@@ -245,3 +245,14 @@ def load_pretrained(config: ModelConfig, mesh: Mesh):
     state = jax.tree_util.tree_map_with_path(make, abstract, shardings)
     return graphdef, state
 
+
+
+def init_or_load(config: ModelConfig, mesh: Mesh, seed: int):
+    """(graphdef, state): ``model.sharding.init_model``'s, or where ``config.from_pretrained``
+    is set, the checkpoint's weights read into the same shardings (``load_pretrained``; the seed
+    unused)."""
+    if config.from_pretrained is not None:
+        return load_pretrained(config, mesh)
+    from peakflat_jax.model.sharding import init_model
+
+    return init_model(config, mesh, seed)

@@ -51,13 +51,8 @@ def state_shardings(state, mesh: Mesh):
 
 
 def init_model(config: ModelConfig, mesh: Mesh, seed: int):
-    """(graphdef, state): the decoder's weights made directly in their shards (no device ever
-    holds the whole model); read from ``config.from_pretrained`` where set (``peakflat_jax.hf``,
-    the seed unused)."""
-    if config.from_pretrained is not None:
-        from peakflat_jax.hf.load import load_pretrained
-
-        return load_pretrained(config, mesh)
+    """(graphdef, state): the decoder's weights made randomly, directly in their shards (no
+    device ever holds the whole model). A checkpoint's weights: ``hf.load.init_or_load``."""
     padded = mop.padded_vocab(config.vocab_size, mop.num_devices(mesh))
 
     def make():

@@ -17,7 +17,7 @@ import math
 import jax.numpy as jnp
 
 from peakflat_jax import mesh as mop
-from peakflat_jax.config import Config, ConfigError, offload_count, optimizer_groups
+from peakflat_jax.config import Config, ConfigError, optimizer_groups
 from peakflat_jax.model.attention import (
     check_sequence_length,
     choose_implementation,
@@ -354,3 +354,21 @@ def block_choices(config: Config, knobs: Knobs) -> list[int | None]:
             options.append(block)
         block //= 2
     return options
+
+
+def offload_count(config: Config) -> int | tuple[bool, ...] | HostBudget:
+    """``operators.offload`` in ``pf.sco_scan``'s terms: an int, a tuple of bools, or a
+    HostBudget (bytes)."""
+    offload = config.operators.offload
+    if offload == "auto":
+        raise ConfigError("operators.offload: auto is chosen by the planner (plan.operators); "
+                          "resolve the config first")
+    if offload == "none":
+        return 0
+    if offload == "all":
+        return config.model.num_layers
+    if isinstance(offload, float):
+        return HostBudget(int(offload * 2**30))
+    if isinstance(offload, list):
+        return tuple(offload)
+    return offload

@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from peakflat_jax import mesh as mop
 from peakflat_jax.config import Config, ConfigError, optimizer_groups, to_dict
+from peakflat_jax.hf.load import init_or_load
 from peakflat_jax.memory import compiled_memory
 from peakflat_jax.model.attention import (
     check_sequence_length,
@@ -58,7 +59,7 @@ from peakflat_jax.model.attention import (
 )
 from peakflat_jax.model.decoder import IGNORE
 from peakflat_jax.model.layers import Runtime
-from peakflat_jax.model.sharding import abstract_model, init_model
+from peakflat_jax.model.sharding import abstract_model
 from peakflat_jax.ops.sco import MadeInLoop, MadeInScan
 from peakflat_jax.plan import DoesNotFit, Plan, layer_loop, offload_flags, overlaps_optimizer
 from peakflat_jax.plan.host_pool import LIMIT_VARIABLE
@@ -195,7 +196,7 @@ class Trainer:
         (making a state only to overwrite it cost a resume the weights' initialisation and a
         second copy of the host-resident optimizer state)."""
         graphdef, state = (abstract_model(self.config.model, self.mesh) if abstract else
-                           init_model(self.config.model, self.mesh, self.config.train.seed))
+                           init_or_load(self.config.model, self.mesh, self.config.train.seed))
         self.graphdef = graphdef
         params, extras = split_model_state(state)
         if self.offloaded_optimizer:

@@ -61,7 +61,8 @@ from jax.sharding import PartitionSpec as P
 
 from peakflat_jax import mesh as mop
 from peakflat_jax import skew
-from peakflat_jax.config import Config, ConfigError, load_config, to_dict
+from peakflat_jax.config import Config, ConfigError, to_dict
+from peakflat_jax.hf.config import load_config
 from peakflat_jax.model.decoder import IGNORE
 from peakflat_jax.ops.global_forms import pipelined_moe_global, ring_cross_entropy_global
 from peakflat_jax.ops.llep_plan import LLEPConfig, llep_assignment
@@ -466,13 +467,13 @@ def model_case(trainer, rng) -> Case:
     """One forward + backward of the config's decoder on one batch of the data pipeline."""
     from flax import nnx
 
+    from peakflat_jax.hf.load import init_or_load
     from peakflat_jax.model.layers import rope_frequencies
-    from peakflat_jax.model.sharding import init_model
     from peakflat_jax.train.trainer import split_model_state
 
     config, mesh = trainer.config, trainer.mesh
     model_config = config.model
-    graphdef, state = init_model(model_config, mesh, config.train.seed)
+    graphdef, state = init_or_load(model_config, mesh, config.train.seed)
     norm_std, bias_std = 0.1, 0.5 / model_config.num_experts
 
     def perturbed(path, leaf):
