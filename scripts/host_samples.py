@@ -6,7 +6,8 @@ fields missing before it starts), as the JSON a record's ``--extra`` takes.
 
 ``outside_at_max_rss_gib``: what the machine lost beyond the process's resident set at the
 sample where that set was largest (available at the start - available then - resident then):
-the kernel's and the driver's share of the pinned pages (docs/plan.md, the host's budget)."""
+the kernel's and the driver's share of the pinned pages (``pinned_outside_per_pool_byte`` in
+peakflat_jax/plan/measured.json)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ Reads ``*<module>*after_optimizations-live-range.txt`` (the schedule and each va
 and ``*-buffer-assignment.txt`` (each value's allocation, offset and size). Only the default
 memory space is counted (color 0; pinned-host allocations, color 5, are the host's). Values the
 buffer assignment does not name (bookkeeping of a few bytes) are left out and counted in the
-report's first line. docs/plan.md reads these for its GPU terms.
+report's first line. scripts/compare_records.py holds such figures to the closed form.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import shlex
 import sys
 
@@ -271,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{command}: SIGINT: stopped before anything ran (no step trained, nothing "
               f"saved)", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`peakflat plan ... | head`): no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def make_parser() -> argparse.ArgumentParser:

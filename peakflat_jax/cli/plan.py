@@ -164,15 +164,22 @@ def request_of(args: argparse.Namespace) -> Request:
 
 
 def plan_of(request: Request, args: argparse.Namespace):
-    """The closed form's ``Plan`` of a request (the data's statistics computed here)."""
-    from peakflat_jax.plan import make_plan
+    """The closed form's ``Plan`` of a request (the data's statistics computed here), under the
+    pinned-host pool cap this process's environment sets where it sets one, as ``peakflat
+    train`` would run it."""
+    from peakflat_jax.plan import PlanError, make_plan
+    from peakflat_jax.train import machine
     from peakflat_jax.train.data import data_stats
 
+    try:
+        cap = machine.pool_cap_in_environment()
+    except ValueError as error:
+        raise PlanError(str(error)) from None
     return make_plan(request.config, request.devices, context=args.context,
                      device_memory=request.device_memory, host_memory=request.host_memory,
                      platform=request.platform, device_kind=request.device_kind,
                      data_stats=data_stats(request.config.data), auto=args.auto,
-                     rates=parse_rates(args.rate))
+                     rates=parse_rates(args.rate), pinned_pool_limit_gib=cap)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -569,7 +569,7 @@ def _zeros_after(shape, dtype, after: jax.Array, like: jax.Array) -> jax.Array:
     weight gradients) are constants to XLA: XLA:GPU fused every MoE layer's into one fusion run
     before the first layer, each then held until its own layer's loop, (L_m - 1) * (N * H * b
     + 3 * G * H * F * 4) bytes beyond the bound: 25 GiB at the backward's peak of h200-1's
-    overlapped step at 698,002 tokens (its buffer assignment, docs/plan.md). Zeros read out of
+    overlapped step at 698,002 tokens, in XLA:GPU's buffer assignment. Zeros read out of
     an optimization barrier with ``after`` (the layer's input, or its outputs' cotangent) are
     made only once the layer's data is, and stay the same zeros."""
     zero, _ = lax.optimization_barrier((jnp.zeros((), dtype), after))

@@ -213,9 +213,9 @@ class MadeInLoop:
     offload_adamw.md). The barrier is a data dependency no scheduler can reorder. Written into
     the stacked arrays as made, the params exist once: kept per layer for the backward and
     stacked by the caller, XLA:GPU held both copies through the dense layers' backward in one
-    schedule and not in another (h200-e2e at 540,672 and 533,994 tokens, docs/plan.md); and
+    schedule and not in another (h200-e2e at 540,672 and 533,994 tokens); and
     with per-layer gradients stacked by the caller, XLA:GPU held every layer's through the
-    dense layers' backward (h200-e2e at 540,672, the same plan)."""
+    dense layers' backward (h200-e2e at 540,672 tokens)."""
 
     make: Callable
     sources: tuple

@@ -71,9 +71,13 @@ class Measured:
     note: str = ""
     """Empty where the key matched; else what the plan took instead, and why."""
 
-    def constant(self, name: str, default=0):
-        """A constant of this entry; ``default`` where it has none (no such term here)."""
-        return self.constants.get(name, default)
+    def constant(self, name: str):
+        """A constant of this entry. An entry without it is refused, naming the constant and
+        the entry (a card added without a measurement would otherwise plan it as zero)."""
+        if name not in self.constants:
+            raise KeyError(f"plan/measured.json: the {self.platform} entry of "
+                           f"{self.device_kind} (jax {self.jax}) has no {name!r}")
+        return self.constants[name]
 
     def margin_text(self, kind: str = "device") -> str:
         """One phrase for a report: the margin of ``kind`` measured here, or that none was."""
@@ -104,7 +108,9 @@ def measured_for(platform: str, device_kind: str | None = None,
         raise ValueError(f"platform: no measured entry for {platform!r}")
     default = next(e for e in entries if e.get("default"))
     matched = [e for e in entries if device_kind is None or e["device_kind"] == device_kind]
-    entry = matched[0] if matched else default
+    # Of the card's entries, the one measured with this jax where there is one.
+    same_jax = [e for e in matched if jax_version is not None and e["jax"] == jax_version]
+    entry = (same_jax or matched or [default])[0]
     notes = []
     if not matched:
         notes.append(f"{device_kind} is not measured: {entry['device_kind']}'s constants")
