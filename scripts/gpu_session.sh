@@ -15,6 +15,8 @@
 #   kernels     the kernels both lean on (scripts/maxtext/check_kernels.py), the donation check
 #   determinism scripts/check_gradient_determinism.py: h200-1's gradient program and overlapped
 #               step, the operators on, executed 16 times on the same inputs
+#   determinism_sources  the same check at 8K with XLA's deterministic ops, then each operator
+#               alone: which reduction differs from one execution to the next
 #   depth       scripts/gpu/compile_depth.sh where it exists: compile time against depth
 # DEADLINE_MIN bounds the bench's probes (none starts after it). OVERRIDES: config overrides of
 # h200-e2e for both stacks (the peer's model follows ours), e.g. a cut model on a smaller card:
@@ -90,6 +92,17 @@ EOF
       python3 scripts/check_gradient_determinism.py h200-1 \
       ${DETERMINISM_OVERRIDES:-data.seq_len=32768} --executions 16 \
       --commit "$PEAKFLAT_COMMIT" --out "$LOGS/determinism.json" ;;
+  determinism_sources)  # which reduction differs run to run: XLA's deterministic ops at 8K,
+    # then each operator alone (the GPU's differences, docs/cpu_scheduler.md)
+    run determinism_xla_deterministic 300 env XLA_FLAGS=--xla_gpu_deterministic_ops=true \
+      XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB="${DETERMINISM_POOL_GB:-100}" \
+      python3 scripts/check_gradient_determinism.py h200-1 data.seq_len=8192 --executions 4 \
+      --commit "$PEAKFLAT_COMMIT" --out "$LOGS/determinism_xla_deterministic.json"
+    for only in operators.moe_dispatch=pipelined operators.loss=ring operators.offload=all; do
+      run "determinism_${only%%=*}" 240 python3 scripts/check_gradient_determinism.py h200-1 \
+        --no-default-overrides "$only" data.seq_len=8192 --executions 4 \
+        --commit "$PEAKFLAT_COMMIT" --out "$LOGS/determinism_${only%%=*}.json"
+    done ;;
   depth)  # DEPTH_TREE: another tree's compile_depth.sh (a branch's, carried in .gpu/)
     tree="${DEPTH_TREE:-.}"
     [[ -f "$tree/scripts/gpu/compile_depth.sh" ]] && LOGS="$LOGS" run depth 420 \
