@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -52,16 +54,24 @@ def state_shardings(state, mesh: Mesh):
 
 def init_model(config: ModelConfig, mesh: Mesh, seed: int):
     """(graphdef, state): the decoder's weights made randomly, directly in their shards (no
-    device ever holds the whole model). A checkpoint's weights: ``hf.load.init_or_load``."""
+    device ever holds the whole model). A checkpoint's weights: ``hf.load.init_or_load``.
+    The initialisation is compiled once per model and mesh (the seed is its argument), so a
+    second trainer of the same model, any seed, starts without compiling it again."""
+    graphdef, make_state = _initializer(config, mesh)
+    return graphdef, make_state(jax.numpy.uint32(seed))
+
+
+@functools.lru_cache(maxsize=8)
+def _initializer(config: ModelConfig, mesh: Mesh):
+    """(graphdef, the jitted seed -> state) of ``config`` on ``mesh``."""
     padded = mop.padded_vocab(config.vocab_size, mop.num_devices(mesh))
 
-    def make():
-        return MoEDecoder(config, padded_vocab=padded, rngs=nnx.Rngs(seed))
+    def make(seed):  # nnx.Rngs(int) keys its streams with jax.random.key(int): the same bits
+        return MoEDecoder(config, padded_vocab=padded, rngs=nnx.Rngs(jax.random.key(seed)))
 
-    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(0)))
     shardings = state_shardings(abstract, mesh)
-    state = jax.jit(lambda: nnx.split(make())[1], out_shardings=shardings)()
-    return graphdef, state
+    return graphdef, jax.jit(lambda seed: nnx.split(make(seed))[1], out_shardings=shardings)
 
 
 def abstract_model(config: ModelConfig, mesh: Mesh):
