@@ -10,6 +10,22 @@ from test_train import small_config
 
 from peakflat_jax.train.trainer import Trainer
 
+# Three MoE layers behind a dense one, three buckets each (more than the two slots: a slot is
+# reused within a layer), clipping and a warmup schedule; every group streamed (the planner's
+# choice here too, made explicit: both tests' plain runs are this one).
+COMMON = ["model.num_layers=4", "optimizer.max_grad_norm=0.5", "optimizer.warmup_steps=2",
+          "optimizer.bucket_params=3500", "train.steps=3", "train.checkpoints=false",
+          "optimizer.resident_groups=0"]
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """The plain path's trainer (the update in the optimizer's own program) after its run, and
+    its losses: what both bit-for-bit tests compare against, made once."""
+    plain = Trainer(small_config(*COMMON, "operators.optimizer_overlap=false"),
+                    run_dir=str(tmp_path_factory.mktemp("plain")))
+    return plain, plain.run(progress=False)["losses"]
+
 
 def _tie_barriers(jaxpr, buckets, hidden):
     """The optimization barriers of a jaxpr's top level that hold a bucket-shaped array and the
@@ -40,9 +56,9 @@ def _tie_barriers(jaxpr, buckets, hidden):
 
 
 @pytest.mark.slow
-def test_updates_made_in_the_unrolled_forward_change_no_bit(tmp_path):
+def test_updates_made_in_the_unrolled_forward_change_no_bit(plain_run, tmp_path):
     """With the unrolled stack each MoE layer's update runs inside the forward, behind the
-    layer before (``MadeInLoop``): three MoE layers of five buckets each (more than the two
+    layer before (``MadeInLoop``): three MoE layers of three buckets each (more than the two
     slots), clipping and a schedule give the plain path's losses, weights, router bias and
     optimizer state bit for bit; and the program ties each layer l >= 1's buckets, before they
     are copied in, to its own layer l - 1's input (a barrier whose bucket outputs the copies
@@ -50,13 +66,9 @@ def test_updates_made_in_the_unrolled_forward_change_no_bit(tmp_path):
     With the first two groups' state resident on the device, the same bits again, written back
     under the backward (the resident groups under either write-back, bit for bit against the
     streamed update: tests/test_optim_offload_stream.py)."""
-    common = ["model.num_layers=4", "optimizer.max_grad_norm=0.5", "optimizer.warmup_steps=2",
-              "optimizer.bucket_params=2000", "train.steps=3", "train.checkpoints=false"]
-    plain = Trainer(small_config(*common, "operators.optimizer_overlap=false"),
-                    run_dir=str(tmp_path / "plain"))
-    expected = plain.run(progress=False)["losses"]
+    plain, expected = plain_run
     for writeback in ("forward", "backward"):
-        made = Trainer(small_config(*common, "operators.layer_loop=unrolled",
+        made = Trainer(small_config(*COMMON, "operators.layer_loop=unrolled",
                                     f"operators.optimizer_writeback={writeback}"),
                        run_dir=str(tmp_path / writeback))
         assert made.overlap and made.run(progress=False)["losses"] == expected, writeback
@@ -68,7 +80,7 @@ def test_updates_made_in_the_unrolled_forward_change_no_bit(tmp_path):
         _check_ties(made, writeback)
     # The outer group and the first MoE layer's kept on the device (optimizer.resident_groups):
     # the same bits, those buckets in device memory, the others on the host.
-    resident = Trainer(small_config(*common, "operators.layer_loop=unrolled",
+    resident = Trainer(small_config(*COMMON, "operators.layer_loop=unrolled",
                                     "operators.optimizer_writeback=backward",
                                     "optimizer.resident_groups=2"),
                        run_dir=str(tmp_path / "resident"))
@@ -127,27 +139,22 @@ def _host_copies_in(jaxpr, shapes) -> int:
 
 
 @pytest.mark.slow
-def test_updates_made_in_the_scanned_forward_change_no_bit(tmp_path):
+def test_updates_made_in_the_scanned_forward_change_no_bit(plain_run, tmp_path):
     """With the scanned stack each MoE layer's update runs inside the forward loop, in the
     iteration of the layer before (``sco.MadeInScan``), its buckets a row of the optimizer
-    state's stacked blocks: three MoE layers of five buckets each (more than the two slots),
+    state's stacked blocks: three MoE layers of three buckets each (more than the two slots),
     clipping and a schedule give the plain path's losses, weights, router bias and optimizer
     state bit for bit, written back as updated and under the backward, and with the outer
     group and the first MoE layer resident (a resident block, then a streamed one). In the
     program the first MoE layer's buckets are copied in before the loops, with the outer
     group's, and every later layer's inside the loop that computes the layer before it, one
     layer's buckets per iteration."""
-    common = ["model.num_layers=4", "optimizer.max_grad_norm=0.5", "optimizer.warmup_steps=2",
-              "optimizer.bucket_params=2000", "train.steps=3", "train.checkpoints=false",
-              "optimizer.resident_groups=0"]
-    plain = Trainer(small_config(*common, "operators.optimizer_overlap=false"),
-                    run_dir=str(tmp_path / "plain"))
-    expected = plain.run(progress=False)["losses"]
+    plain, expected = plain_run
     cases = {"forward": [], "backward": ["operators.optimizer_writeback=backward"],
              "resident": ["optimizer.resident_groups=2", "operators.optimizer_writeback=backward"]}
     made = {}
     for name, overrides in cases.items():
-        made[name] = Trainer(small_config(*common, "operators.layer_loop=scan", *overrides),
+        made[name] = Trainer(small_config(*COMMON, "operators.layer_loop=scan", *overrides),
                              run_dir=str(tmp_path / name))
         assert made[name].overlap and made[name].run(progress=False)["losses"] == expected, name
         final = made[name].final_state
