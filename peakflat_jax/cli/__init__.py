@@ -272,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{command}: SIGINT: stopped before anything ran (no step trained, nothing "
               f"saved)", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # the reader went away (`peakflat plan ... | head`): no traceback
+    except BrokenPipeError:  # `peakflat plan ... | head`: its reader went away, no traceback
+        if argv[:1] != ["plan"]:
+            raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 

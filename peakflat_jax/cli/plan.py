@@ -172,7 +172,7 @@ def plan_of(request: Request, args: argparse.Namespace):
     from peakflat_jax.train.data import data_stats
 
     try:
-        cap = machine.pool_cap_in_environment()
+        cap = machine.pool_cap_in_environment() if request.platform == "gpu" else None
     except ValueError as error:
         raise PlanError(str(error)) from None
     return make_plan(request.config, request.devices, context=args.context,

@@ -58,7 +58,7 @@ def init_model(config: ModelConfig, mesh: Mesh, seed: int):
     The initialisation is compiled once per model and mesh (the seed is its argument), so a
     second trainer of the same model, any seed, starts without compiling it again."""
     graphdef, make_state = _initializer(config, mesh)
-    return graphdef, make_state(jax.numpy.uint32(seed))
+    return graphdef, make_state(jax.numpy.uint32(seed % 2**32))  # nnx.Rngs(int)'s key bits
 
 
 @functools.lru_cache(maxsize=8)

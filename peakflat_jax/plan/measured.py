@@ -107,7 +107,8 @@ def measured_for(platform: str, device_kind: str | None = None,
     if not entries:
         raise ValueError(f"platform: no measured entry for {platform!r}")
     default = next(e for e in entries if e.get("default"))
-    matched = [e for e in entries if device_kind is None or e["device_kind"] == device_kind]
+    matched = ([default] if device_kind is None
+               else [e for e in entries if e["device_kind"] == device_kind])
     # Of the card's entries, the one measured with this jax where there is one.
     same_jax = [e for e in matched if jax_version is not None and e["jax"] == jax_version]
     entry = (same_jax or matched or [default])[0]
